@@ -1,0 +1,30 @@
+"""diffusiongemma: block-diffusion language modelling (DiffusionGemma) in JAX/Flax."""
+
+import setuptools
+
+setuptools.setup(
+    name="diffusiongemma",
+    version="0.1.0",
+    description="DiffusionGemma block diffusion in JAX/Flax: train, sample, convert, scale.",
+    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "grain==0.2.18",
+        "sentencepiece==0.2.3",
+        "ml-collections==1.1.0",
+        "absl-py",
+        "numpy",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest", "chex"],
+        # The transformers reference, for cross-checks only; never a dependency of the library.
+        "hf": ["torch==2.13.0", "transformers==5.24.0"],
+    },
+)
