@@ -1,0 +1,232 @@
+"""Transformers DiffusionGemma checkpoints (config.json + safetensors) <-> `(ModelConfig, params)`.
+
+One table, `_layout`, names every parameter of ours with its checkpoint key and the reshape between the
+torch layout ([out, in] linears, fused expert weights) and ours; loading and saving both read it.
+
+transformers ties the encoder's and the decoder's weights and saves them once, under `model.decoder.`;
+only the encoder's `layer_scalar` buffers are stored under `model.encoder.language_model.`. For the
+shared weights we accept either prefix. The vision tower is not part of this text model and is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from absl import logging
+import numpy as np
+from safetensors import safe_open
+
+from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
+
+_DECODER = "model.decoder."
+_ENCODER = "model.encoder.language_model."
+_LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
+_SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+
+
+class _Entry:
+  """One parameter: our path, checkpoint keys to try, and the layout maps both ways."""
+
+  def __init__(self, path: tuple[str, ...], keys: tuple[str, ...], to_ours: Callable, to_hf: Callable):
+    self.path, self.keys, self.to_ours, self.to_hf = path, keys, to_ours, to_hf
+
+
+def _identity(x):
+  return x
+
+
+def _linear(heads: int | None = None):
+  """torch Linear [out, in] <-> ours: [in, out], or [heads, in, head_dim] when split into heads."""
+  if heads is None:
+    return (lambda w: w.T), (lambda w: w.T)
+  return ((lambda w: w.reshape(heads, -1, w.shape[-1]).transpose(0, 2, 1)),
+          (lambda w: w.transpose(0, 2, 1).reshape(-1, w.shape[1])))
+
+
+def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
+  shared = lambda name: (_DECODER + name, _ENCODER + name)
+  yield _Entry(("embedder", "input_embedding"), shared("embed_tokens.weight"), _identity, _identity)
+  yield _Entry(("final_norm", "scale"), shared("norm.weight"), _identity, _identity)
+  sc = "self_conditioning."
+  yield _Entry(("self_conditioning", "pre_norm", "scale"), (_DECODER + sc + "pre_norm.weight",), _identity,
+               _identity)
+  yield from _mlp(("self_conditioning", "mlp"), lambda name: (_DECODER + sc + name,))
+  for i in range(cfg.num_layers):
+    layer = f"layers.{i}."
+    ours = (f"layer_{i}",)
+    key = lambda name: shared(layer + name)
+    heads_in, heads_out = _linear(cfg.num_heads)
+    kv_in, kv_out = _linear(cfg.layer_dims(i)[0])
+    attn = ours + ("attn",)
+    yield _Entry(attn + ("q_einsum",), key("self_attn.q_proj.weight"), heads_in, heads_out)
+    yield _Entry(attn + ("k_einsum",), key("self_attn.k_proj.weight"), kv_in, kv_out)
+    if not (cfg.layer_types[i] == FULL and cfg.full_k_eq_v):
+      yield _Entry(attn + ("v_einsum",), key("self_attn.v_proj.weight"), kv_in, kv_out)
+    # o_proj [D, N*H] <-> attn_vec_einsum [N, H, D]
+    yield _Entry(attn + ("attn_vec_einsum",), key("self_attn.o_proj.weight"),
+                 lambda w: w.reshape(w.shape[0], cfg.num_heads, -1).transpose(1, 2, 0),
+                 lambda w: w.transpose(2, 0, 1).reshape(w.shape[2], -1))
+    yield _Entry(attn + ("_query_norm", "scale"), key("self_attn.q_norm.weight"), _identity, _identity)
+    yield _Entry(attn + ("_key_norm", "scale"), key("self_attn.k_norm.weight"), _identity, _identity)
+    for ours_norm, hf_norm in (("pre_attention_norm", "input_layernorm"),
+                               ("post_attention_norm", "post_attention_layernorm"),
+                               ("pre_ffw_norm", "pre_feedforward_layernorm"),
+                               ("post_ffw_norm", "post_feedforward_layernorm"),
+                               ("post_ffw1_norm", "post_feedforward_layernorm_1"),
+                               ("pre_ffw2_norm", "pre_feedforward_layernorm_2"),
+                               ("post_ffw2_norm", "post_feedforward_layernorm_2")):
+      yield _Entry(ours + (ours_norm, "scale"), key(hf_norm + ".weight"), _identity, _identity)
+    yield from _mlp(ours + ("mlp",), lambda name: key("mlp." + name))
+    yield _Entry(ours + ("router", "router_logits"), key("router.proj.weight"), *_linear())
+    yield _Entry(ours + ("router", "router_scale"), key("router.scale"), _identity, _identity)
+    yield _Entry(ours + ("router", "per_expert_scale"), key("router.per_expert_scale"), _identity, _identity)
+    # gate_up_proj [E, 2F, D] (gate rows first) <-> gating_einsum [E, 2, F, D]
+    yield _Entry(ours + ("experts", "gating_einsum"), key("experts.gate_up_proj"),
+                 lambda w: w.reshape(w.shape[0], 2, -1, w.shape[-1]),
+                 lambda w: w.reshape(w.shape[0], -1, w.shape[-1]))
+    # down_proj [E, D, F] <-> linear [E, F, D]
+    swap = lambda w: w.transpose(0, 2, 1)
+    yield _Entry(ours + ("experts", "linear"), key("experts.down_proj"), swap, swap)
+    scalar_in, scalar_out = (lambda w: w.reshape(())), (lambda w: w.reshape(1))
+    yield _Entry(ours + ("decoder_scalar",), (_DECODER + layer + "layer_scalar",), scalar_in, scalar_out)
+    yield _Entry(ours + ("encoder_scalar",), (_ENCODER + layer + "layer_scalar",), scalar_in, scalar_out)
+
+
+def _mlp(path: tuple[str, ...], key: Callable[[str], tuple[str, ...]]) -> Iterator[_Entry]:
+  """A GeGLU's gate and up [F, D] stack into gating_einsum [2, F, D]; down [D, F] is linear [F, D]."""
+  for i, name in enumerate(("gate_proj", "up_proj")):
+    yield _Entry(path + ("gating_einsum", str(i)), key(name + ".weight"), _identity, _identity)
+  yield _Entry(path + ("linear",), key("down_proj.weight"), *_linear())
+
+
+def config_from_hf(hf_config: dict[str, Any], **overrides) -> ModelConfig:
+  """Our ModelConfig from a transformers DiffusionGemma config.json (its dict)."""
+  text = hf_config.get("text_config", hf_config)
+  layer_types = []
+  for t in text["layer_types"]:
+    if t not in _LAYER_TYPES:
+      raise ValueError(f"Unsupported layer type {t!r} in config.json; supported: {sorted(_LAYER_TYPES)}.")
+    layer_types.append(_LAYER_TYPES[t])
+  full_layers = [str(i) for i, t in enumerate(layer_types) if t == FULL]
+  per_layer = text.get("per_layer_config") or {}
+  full = per_layer.get(full_layers[0], {}) if full_layers else {}
+  for i in full_layers[1:]:
+    if per_layer.get(i, {}) != full:
+      raise ValueError(f"Full-attention layers must share one shape; per_layer_config[{i}]={per_layer.get(i)} "
+                       f"differs from {full}.")
+  rope = text.get("rope_parameters") or {}
+  sliding_rope = rope.get("sliding_attention", {})
+  full_rope = rope.get("full_attention", {})
+  for name, params, allowed in (("sliding_attention", sliding_rope, ("default",)),
+                                ("full_attention", full_rope, ("proportional", "default"))):
+    if params.get("rope_type", "default") not in allowed:
+      raise ValueError(f"Unsupported rope_type {params.get('rope_type')!r} for {name}; supported: {allowed}.")
+  eos = text.get("eos_token_id", 1)
+  values = dict(
+      vocab_size=text["vocab_size"],
+      hidden_size=text["hidden_size"],
+      num_layers=text["num_hidden_layers"],
+      layer_types=tuple(layer_types),
+      num_heads=text["num_attention_heads"],
+      num_kv_heads=text["num_key_value_heads"],
+      head_dim=text["head_dim"],
+      num_full_kv_heads=full.get("num_key_value_heads", text["num_key_value_heads"]),
+      full_head_dim=full.get("head_dim", text["head_dim"]),
+      full_k_eq_v=True,  # transformers' full layers have no v_proj
+      sliding_window=text["sliding_window"],
+      rope_theta=sliding_rope.get("rope_theta", 10_000.0),
+      full_rope_theta=full_rope.get("rope_theta", 1_000_000.0),
+      full_partial_rotary_factor=full_rope.get("partial_rotary_factor", 1.0),
+      intermediate_size=text["intermediate_size"],
+      num_experts=text["num_experts"],
+      top_k=text["top_k_experts"],
+      moe_intermediate_size=text["moe_intermediate_size"],
+      canvas_length=hf_config.get("canvas_length", 256),
+      final_logit_softcap=text.get("final_logit_softcapping", 30.0),
+      max_positions=text.get("max_position_embeddings", 131_072),
+      rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+      pad_id=text.get("pad_token_id", 0) or 0,
+      eos_id=eos[0] if isinstance(eos, list) else eos,
+      bos_id=text.get("bos_token_id", 2),
+  )
+  values.update(overrides)
+  return ModelConfig(**values)
+
+
+class _Checkpoint:
+  """Reads tensors one at a time from a folder of (possibly sharded) safetensors files."""
+
+  def __init__(self, path: pathlib.Path):
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+      files = sorted(path.glob("*.safetensors"))
+      if not files:
+        raise FileNotFoundError(f"No *.safetensors files in {path}.")
+      weight_map = {}
+      for f in files:
+        with safe_open(f, "numpy") as handle:
+          weight_map.update({k: f.name for k in handle.keys()})
+    self.path, self.weight_map, self._handles = path, weight_map, {}
+
+  def get(self, key: str) -> np.ndarray:
+    name = self.weight_map[key]
+    if name not in self._handles:
+      self._handles[name] = safe_open(self.path / name, "numpy")
+    return self._handles[name].get_tensor(key)
+
+
+def load_hf(path: os.PathLike | str, *, dtype: str | None = None, **config_overrides):
+  """Reads a transformers DiffusionGemma checkpoint folder into `(ModelConfig, params)`.
+
+  Tensors are read one at a time (a sharded checkpoint is never whole in memory at once, beyond the
+  resulting parameters) and kept in the checkpoint's dtype unless `dtype` is given. `config_overrides`
+  (e.g. `moe_impl='dense'`) are applied to the ModelConfig built from config.json.
+  """
+  path = pathlib.Path(path)
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise FileNotFoundError(f"{path} is not a transformers checkpoint folder: no config.json.")
+  cfg = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+  ckpt = _Checkpoint(path)
+  params: dict[str, Any] = {}
+  used = set()
+  for entry in _layout(cfg):
+    key = next((k for k in entry.keys if k in ckpt.weight_map), None)
+    if key is None:
+      raise KeyError(f"Checkpoint {path} has no tensor {' or '.join(entry.keys)} (for {'/'.join(entry.path)}).")
+    used.update(k for k in entry.keys if k in ckpt.weight_map)  # a tied copy counts as read
+    value = entry.to_ours(ckpt.get(key))
+    if dtype is not None:
+      value = value.astype(dtype)
+    _set(params, entry.path, value)
+  _stack_gating(params)
+  skipped = sorted(k for k in ckpt.weight_map if k not in used)
+  vision = [k for k in skipped if k.startswith(_SKIPPED_PREFIXES)]
+  if vision:
+    logging.info("load_hf: skipped %d vision-tower / lm_head tensors (text model only).", len(vision))
+  unknown = [k for k in skipped if not k.startswith(_SKIPPED_PREFIXES) and k.startswith("model.")]
+  if unknown:
+    logging.warning("load_hf: %d checkpoint tensors not used, e.g. %s", len(unknown), unknown[:5])
+  return cfg, params
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+  for name in path[:-1]:
+    tree = tree.setdefault(name, {})
+  tree[path[-1]] = value
+
+
+def _stack_gating(tree: dict) -> None:
+  """Turns {'gating_einsum': {'0': gate, '1': up}} into one [2, F, D] array, wherever it occurs."""
+  for name, value in tree.items():
+    if isinstance(value, dict):
+      if set(value) == {"0", "1"}:
+        tree[name] = np.stack([value["0"], value["1"]])
+      else:
+        _stack_gating(value)

@@ -1,0 +1,144 @@
+"""Grouped-query attention for sliding and full layers, and the fixed-capacity KV cache.
+
+Axes: B batch, L query length, S key length, D model, N query heads, K kv heads, G query heads per kv
+head, H head dim.
+
+The cache stores, per layer, keys and values at slot == position, so that its shapes are static and a
+row's cache is "the first `length[b]` positions". The encoder writes new tokens at their positions and
+attends causally (and within the window on sliding layers); the denoiser reads the cache and never
+writes it: a canvas attends bidirectionally to every cached position (sliding layers: only the last
+W - 1 of them, as transformers' sliding cache keeps) plus the whole canvas.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from diffusiongemma.model import layers
+from diffusiongemma.model.config import FULL, ModelConfig
+
+Array = jax.Array
+_NEG_INF = -2.3819763e38  # Large negative logit for masked keys (the float32 min, as in Gemma).
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys and values [B, S, K, H] at slot == position, and each row's length [B]."""
+
+  keys: tuple[Array, ...]
+  values: tuple[Array, ...]
+  length: Array  # [B] int32: positions 0 .. length - 1 are filled.
+
+  @property
+  def capacity(self) -> int:
+    return self.keys[0].shape[1]
+
+  @property
+  def batch_size(self) -> int:
+    return self.length.shape[0]
+
+  @classmethod
+  def empty(cls, config: ModelConfig, batch_size: int, capacity: int, dtype=None) -> "KVCache":
+    dtype = jnp.dtype(dtype or config.dtype)
+    keys, values = [], []
+    for layer in range(config.num_layers):
+      kv_heads, head_dim = config.layer_dims(layer)
+      keys.append(jnp.zeros((batch_size, capacity, kv_heads, head_dim), dtype))
+      values.append(jnp.zeros((batch_size, capacity, kv_heads, head_dim), dtype))
+    return cls(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32))
+
+  def with_length(self, length: Array) -> "KVCache":
+    """The same cache seen as holding only positions < length (e.g. a canvas start in training)."""
+    return self.replace(length=jnp.broadcast_to(jnp.asarray(length, jnp.int32), self.length.shape))
+
+
+class Attention(nn.Module):
+  """Self-attention of one layer: q/k RMSNorm with scale, scale-less v norm, RoPE, scaling 1.0."""
+
+  config: ModelConfig
+  layer: int
+
+  @property
+  def is_full(self) -> bool:
+    return self.config.layer_types[self.layer] == FULL
+
+  def setup(self):
+    cfg = self.config
+    kv_heads, head_dim = cfg.layer_dims(self.layer)
+    self.kv_heads, self.head_dim = kv_heads, head_dim
+    pdt = jnp.dtype(cfg.param_dtype)
+    init = layers.fan_in_init([1])
+    self.q_einsum = layers.param(self, "q_einsum", init, (cfg.num_heads, cfg.hidden_size, head_dim), pdt,
+                                 ("q_heads", "embed", "head_dim"))
+    self.k_einsum = layers.param(self, "k_einsum", init, (kv_heads, cfg.hidden_size, head_dim), pdt,
+                                 ("kv_heads", "embed", "head_dim"))
+    self.shares_kv = self.is_full and cfg.full_k_eq_v
+    if not self.shares_kv:
+      self.v_einsum = layers.param(self, "v_einsum", init, (kv_heads, cfg.hidden_size, head_dim), pdt,
+                                   ("kv_heads", "embed", "head_dim"))
+    self.attn_vec_einsum = layers.param(self, "attn_vec_einsum", layers.fan_in_init([0, 1]),
+                                        (cfg.num_heads, head_dim, cfg.hidden_size), pdt,
+                                        ("q_heads", "head_dim", "embed"))
+    self._query_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt, axis_name="head_dim")
+    self._key_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt, axis_name="head_dim")
+    if self.is_full:
+      self.inv_freq = layers.rope_inv_freq(head_dim, cfg.full_rope_theta, cfg.full_partial_rotary_factor)
+    else:
+      self.inv_freq = layers.rope_inv_freq(head_dim, cfg.rope_theta)
+
+  def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
+    """Queries [B, L, N, H], keys and values [B, L, K, H] of x at the given positions."""
+    dt = jnp.dtype(self.config.dtype)
+    q = jnp.einsum("BLD,NDH->BLNH", x, self.q_einsum.astype(dt))
+    k_raw = jnp.einsum("BLD,KDH->BLKH", x, self.k_einsum.astype(dt))
+    v_raw = k_raw if self.shares_kv else jnp.einsum("BLD,KDH->BLKH", x, self.v_einsum.astype(dt))
+    q = layers.apply_rope(self._query_norm(q), positions, self.inv_freq)
+    k = layers.apply_rope(self._key_norm(k_raw), positions, self.inv_freq)
+    v = layers.rms_norm(v_raw, None, self.config.rms_norm_eps)
+    return q, k, v
+
+  def attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
+    """softmax(q k^T) v over keys where mask [B, L or 1, S] is true, then the output projection."""
+    b, l, n, h = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, l, kv_heads, n // kv_heads, h)
+    logits = jnp.einsum("BLKGH,BSKH->BKGLS", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("BKGLS,BSKH->BLKGH", probs, v).reshape(b, l, n, h)
+    return jnp.einsum("BLNH,NHD->BLD", out, self.attn_vec_einsum.astype(self.config.dtype))
+
+  def encode(self, x: Array, positions: Array, valid: Array, keys: Array, values: Array,
+             new_length: Array) -> tuple[Array, Array, Array]:
+    """Causal attention of new tokens over the cache after writing them into it.
+
+    x: [B, L, D] at `positions` [B, L]; `valid` [B, L] marks real (not padding) tokens, which alone are
+    written; keys/values [B, S, K, H]; `new_length` [B] is the cache length after the write.
+    """
+    q, k, v = self.project(x, positions)
+    capacity = keys.shape[1]
+    slots = jnp.where(valid, positions, capacity)  # padding goes out of range and is dropped
+    rows = jnp.arange(x.shape[0])[:, None]
+    keys = keys.at[rows, slots].set(k.astype(keys.dtype), mode="drop")
+    values = values.at[rows, slots].set(v.astype(values.dtype), mode="drop")
+    key_pos = jnp.arange(capacity)[None, None, :]  # [1, 1, S]
+    query_pos = positions[:, :, None]  # [B, L, 1]
+    mask = (key_pos <= query_pos) & (key_pos < new_length[:, None, None])
+    if not self.is_full:
+      mask &= key_pos > query_pos - self.config.sliding_window
+    return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), keys, values
+
+  def denoise(self, x: Array, positions: Array, keys: Array, values: Array, length: Array) -> Array:
+    """Bidirectional attention of a canvas over [cache ; canvas]; the cache is only read."""
+    q, k, v = self.project(x, positions)
+    slot = jnp.arange(keys.shape[1])[None, :]  # [1, S]
+    cache_mask = slot < length[:, None]
+    if not self.is_full:
+      cache_mask &= slot >= length[:, None] - (self.config.sliding_window - 1)
+    mask = jnp.concatenate([cache_mask, jnp.ones((x.shape[0], x.shape[1]), bool)], axis=1)
+    keys = jnp.concatenate([keys.astype(q.dtype), k], axis=1)
+    values = jnp.concatenate([values.astype(q.dtype), v], axis=1)
+    return self.attend(q, keys, values, mask[:, None, :])

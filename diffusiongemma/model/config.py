@@ -1,0 +1,139 @@
+"""`ModelConfig`: every dimension of a DiffusionGemma transformer, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+SLIDING = "sliding"
+FULL = "full"
+MOE_IMPLEMENTATIONS = ("grouped", "ragged", "dense")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Dimensions and numerics of a DiffusionGemma text transformer.
+
+  One set of weights serves two modes: a causal encoder (prompt and committed canvases into a KV cache)
+  and a bidirectional denoiser (a canvas attending to `[cache ; canvas]`). Layers are either `sliding`
+  (window attention, full RoPE) or `full` (global attention with their own head dim and KV heads,
+  proportional partial RoPE and optionally V = v_norm(k_proj(x))). Defaults are the released
+  26B-A4B text model; `configs/` holds smaller variants.
+  """
+
+  vocab_size: int = 262_144
+  hidden_size: int = 2816
+  num_layers: int = 30
+  # One entry per layer; None means five sliding layers then one full layer, repeated.
+  layer_types: tuple[str, ...] | None = None
+  num_heads: int = 16
+  num_kv_heads: int = 8
+  head_dim: int = 256
+  num_full_kv_heads: int = 2
+  full_head_dim: int = 512
+  full_k_eq_v: bool = True
+  sliding_window: int = 1024
+  rope_theta: float = 10_000.0
+  full_rope_theta: float = 1_000_000.0
+  full_partial_rotary_factor: float = 0.25
+  intermediate_size: int = 2112
+  num_experts: int = 128
+  top_k: int = 8
+  moe_intermediate_size: int = 704
+  canvas_length: int = 256
+  final_logit_softcap: float | None = 30.0
+  max_positions: int = 262_144
+  rms_norm_eps: float = 1e-6
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  moe_impl: str = "grouped"  # grouped (sort + tiled einsum) | ragged (lax.ragged_dot) | dense (reference)
+  remat: bool = False  # rematerialise each layer in the backward pass
+  pad_id: int = 0
+  eos_id: int = 1
+  bos_id: int = 2
+
+  def __post_init__(self):
+    if self.layer_types is None:
+      types = tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(self.num_layers))
+      if types:
+        types = types[:-1] + (FULL,)
+      object.__setattr__(self, "layer_types", types)
+    else:
+      object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    self._validate()
+
+  def _validate(self):
+    def fail(field, allowed):
+      raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
+
+    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "num_full_kv_heads", "full_head_dim", "sliding_window", "intermediate_size",
+                  "num_experts", "top_k", "moe_intermediate_size", "canvas_length", "max_positions"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        fail(field, "must be a positive integer")
+    if len(self.layer_types) != self.num_layers:
+      fail("layer_types", f"needs one entry per layer (num_layers={self.num_layers}), got "
+           f"{len(self.layer_types)}")
+    bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+    if bad:
+      fail("layer_types", f"entries must be {SLIDING!r} or {FULL!r}, not {bad}")
+    if self.layer_types[-1] != FULL:
+      fail("layer_types", f"the last layer must be {FULL!r} attention")
+    if self.num_heads % self.num_kv_heads:
+      fail("num_kv_heads", f"must divide num_heads={self.num_heads}")
+    if self.num_heads % self.num_full_kv_heads:
+      fail("num_full_kv_heads", f"must divide num_heads={self.num_heads}")
+    if self.top_k > self.num_experts:
+      fail("top_k", f"must be at most num_experts={self.num_experts}")
+    for field in ("head_dim", "full_head_dim"):
+      if getattr(self, field) % 2:
+        fail(field, "must be even (rotary embeddings rotate pairs of dimensions)")
+    if not 0.0 <= self.full_partial_rotary_factor <= 1.0:
+      fail("full_partial_rotary_factor", "must lie in [0, 1]")
+    for field in ("rope_theta", "full_rope_theta", "rms_norm_eps"):
+      if not getattr(self, field) > 0:
+        fail(field, "must be positive")
+    if self.final_logit_softcap is not None and not self.final_logit_softcap > 0:
+      fail("final_logit_softcap", "must be positive or None")
+    if self.canvas_length > self.max_positions:
+      fail("canvas_length", f"must be at most max_positions={self.max_positions}")
+    for field in ("dtype", "param_dtype"):
+      if getattr(self, field) not in DTYPES:
+        fail(field, f"must be one of {DTYPES}")
+    if self.moe_impl not in MOE_IMPLEMENTATIONS:
+      fail("moe_impl", f"must be one of {MOE_IMPLEMENTATIONS}")
+    for field in ("pad_id", "eos_id", "bos_id"):
+      if not 0 <= getattr(self, field) < self.vocab_size:
+        fail(field, f"must be a token id in [0, vocab_size={self.vocab_size})")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
+    """Builds a config from a mapping (e.g. `config.model` of an ml_collections file), naming unknown keys."""
+    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"Unknown ModelConfig fields {unknown}; known fields are {sorted(known)}.")
+    return cls(**values)
+
+  def to_dict(self) -> dict[str, Any]:
+    values = dataclasses.asdict(self)
+    values["layer_types"] = list(self.layer_types)
+    return values
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+  def layer_dims(self, layer: int) -> tuple[int, int]:
+    """(kv heads, head dim) of a layer."""
+    if self.layer_types[layer] == FULL:
+      return self.num_full_kv_heads, self.full_head_dim
+    return self.num_kv_heads, self.head_dim
+
+  @property
+  def embed_scale(self) -> float:
+    return math.sqrt(self.hidden_size)

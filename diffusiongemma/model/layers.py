@@ -1,0 +1,126 @@
+"""Small building blocks: parameters with logical axes, RMSNorm, the scaled embedder, GeGLU, RoPE.
+
+Axes: B batch, L length, D model, F feed-forward, V vocab, H head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+def param(module: nn.Module, name: str, init: Callable, shape: Sequence[int], dtype,
+          axes: Sequence[str]) -> Array:
+  """A parameter carrying logical axis names, so that sharding rules need no module changes."""
+  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+
+
+def fan_in_init(in_axes: Sequence[int]) -> Callable:
+  """Normal initialiser with variance 1 / fan-in over `in_axes`."""
+  return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=tuple(in_axes),
+                                          out_axis=())
+
+
+def rms_norm(x: Array, scale: Array | None, eps: float) -> Array:
+  """x / rms(x) * scale, in float32 and cast back; the scale is used as is (not 1 + scale)."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm over the last axis, with a learned scale (initialised to one) or without one."""
+
+  eps: float
+  use_scale: bool = True
+  param_dtype: jnp.dtype = jnp.float32
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = None
+    if self.use_scale:
+      scale = param(self, "scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype,
+                    (self.axis_name,))
+    return rms_norm(x, scale, self.eps)
+
+
+class Embedder(nn.Module):
+  """Token embedding times sqrt(D), tied with the LM head; logits are float32 and soft-capped."""
+
+  vocab_size: int
+  hidden_size: int
+  softcap: float | None
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  def setup(self):
+    self.input_embedding = param(self, "input_embedding", fan_in_init([1]),
+                                 (self.vocab_size, self.hidden_size), self.param_dtype, ("vocab", "embed"))
+
+  @property
+  def scale(self) -> Array:
+    # The reference casts sqrt(D) to the weight dtype first (53.066 becomes 53.0 in bfloat16).
+    return jnp.asarray(self.hidden_size**0.5, self.param_dtype)
+
+  def encode(self, tokens: Array) -> Array:
+    return (self.input_embedding[tokens] * self.scale).astype(self.dtype)  # [B, L, D]
+
+  def soft_encode(self, logits: Array) -> Array:
+    """Expected embedding under softmax(logits): the self-conditioning signal."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(self.param_dtype)
+    return (jnp.einsum("BLV,VD->BLD", probs, self.input_embedding) * self.scale).astype(self.dtype)
+
+  def decode(self, x: Array) -> Array:
+    logits = jnp.einsum("BLD,VD->BLV", x, self.input_embedding.astype(self.dtype))
+    logits = logits.astype(jnp.float32)
+    if self.softcap is not None:
+      logits = self.softcap * jnp.tanh(logits / self.softcap)
+    return logits  # [B, L, V]
+
+
+class FeedForward(nn.Module):
+  """Dense GeGLU: down(gelu_tanh(gate(x)) * up(x))."""
+
+  hidden_size: int
+  intermediate_size: int
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    gating = param(self, "gating_einsum", fan_in_init([2]), (2, self.intermediate_size, self.hidden_size),
+                   self.param_dtype, (None, "mlp", "embed"))
+    linear = param(self, "linear", fan_in_init([0]), (self.intermediate_size, self.hidden_size),
+                   self.param_dtype, ("mlp", "embed"))
+    gate_up = jnp.einsum("BLD,GFD->GBLF", x, gating.astype(self.dtype))  # [2, B, L, F]
+    h = jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1]
+    return jnp.einsum("BLF,FD->BLD", h, linear.astype(self.dtype))
+
+
+def rope_inv_freq(head_dim: int, theta: float, rotary_fraction: float = 1.0) -> Array:
+  """Inverse frequencies of "proportional" RoPE: [H / 2], zero beyond the rotated fraction.
+
+  The first int(rotary_fraction * H / 2) pairs rotate with theta^(-2i / H) (the exponent uses the whole
+  head dim); the others have frequency 0 and pass unchanged. With fraction 1 this is standard RoPE.
+  """
+  rotated = int(rotary_fraction * head_dim // 2)
+  exponent = jnp.arange(head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim
+  inv_freq = 1.0 / (theta**exponent)
+  return jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+  """Rotate-half RoPE. x: [B, L, N, H], positions: [B, L]."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, L, H/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]  # [B, L, 1, H]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  first, second = jnp.split(x, 2, axis=-1)
+  return x * cos + jnp.concatenate([-second, first], axis=-1) * sin

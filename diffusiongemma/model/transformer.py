@@ -1,0 +1,159 @@
+"""The DiffusionGemma transformer: one set of weights, a causal encoder and a bidirectional denoiser.
+
+Axes: B batch, L length, C canvas, D model, V vocab.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from diffusiongemma.model import layers, moe
+from diffusiongemma.model.attention import Attention, KVCache
+from diffusiongemma.model.config import ModelConfig
+
+Array = jax.Array
+
+
+class Block(nn.Module):
+  """One layer: attention, then the dense and expert feed-forward branches, then the layer scalar.
+
+    h   = x + post_attention_norm(attn(pre_attention_norm(x)))
+    ffn = post_ffw1_norm(mlp(pre_ffw_norm(h))) + post_ffw2_norm(experts(pre_ffw2_norm(h), router(h)))
+    out = (h + post_ffw_norm(ffn)) * scalar
+
+  The scalar is kept separately for the encoder and the decoder (as the checkpoint does).
+  """
+
+  config: ModelConfig
+  layer: int
+
+  def setup(self):
+    cfg = self.config
+    pdt, dt = jnp.dtype(cfg.param_dtype), jnp.dtype(cfg.dtype)
+    norm = lambda: layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt)
+    self.attn = Attention(cfg, self.layer)
+    self.pre_attention_norm, self.post_attention_norm = norm(), norm()
+    self.pre_ffw_norm, self.post_ffw_norm = norm(), norm()
+    self.post_ffw1_norm, self.pre_ffw2_norm, self.post_ffw2_norm = norm(), norm(), norm()
+    self.mlp = layers.FeedForward(cfg.hidden_size, cfg.intermediate_size, dt, pdt)
+    self.router = moe.Router(cfg)
+    self.experts = moe.Experts(cfg)
+    scalar = lambda name: layers.param(self, name, nn.initializers.ones, (), pdt, ())
+    self.encoder_scalar, self.decoder_scalar = scalar("encoder_scalar"), scalar("decoder_scalar")
+
+  def _feed_forward(self, h: Array, scalar: Array) -> Array:
+    b, l, d = h.shape
+    dense = self.post_ffw1_norm(self.mlp(self.pre_ffw_norm(h)))
+    tokens = h.reshape(b * l, d)
+    weights, experts = self.router(tokens)
+    sparse = self.experts(self.pre_ffw2_norm(tokens), weights, experts).reshape(b, l, d)
+    out = h + self.post_ffw_norm(dense + self.post_ffw2_norm(sparse))
+    return out * scalar.astype(out.dtype)
+
+  def encode(self, x, positions, valid, keys, values, new_length):
+    attn, keys, values = self.attn.encode(self.pre_attention_norm(x), positions, valid, keys, values,
+                                          new_length)
+    h = x + self.post_attention_norm(attn)
+    return self._feed_forward(h, self.encoder_scalar), keys, values
+
+  def denoise(self, x, positions, keys, values, length):
+    h = x + self.post_attention_norm(self.attn.denoise(self.pre_attention_norm(x), positions, keys,
+                                                       values, length))
+    return self._feed_forward(h, self.decoder_scalar)
+
+
+class SelfConditioning(nn.Module):
+  """Adds a GeGLU of the previous step's expected embedding to the canvas embedding, then RMSNorm
+  without scale (always applied, also when the signal is zero)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x: Array, signal: Array | None) -> Array:
+    cfg = self.config
+    pdt = jnp.dtype(cfg.param_dtype)
+    pre_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt, name="pre_norm")
+    mlp = layers.FeedForward(cfg.hidden_size, cfg.intermediate_size, jnp.dtype(cfg.dtype), pdt, name="mlp")
+    if signal is None and self.is_initializing():
+      signal = jnp.zeros_like(x)
+    if signal is not None:  # a zero signal adds exactly zero: skip the work
+      x = x + mlp(pre_norm(signal))
+    return layers.rms_norm(x, None, cfg.rms_norm_eps)
+
+
+class DiffusionGemma(nn.Module):
+  """DiffusionGemma: a causal sparse-MoE encoder and a bidirectional canvas denoiser on tied weights.
+
+  - `encode(tokens, cache)`: causal over `tokens` [B, L] placed after each row's cache, appends their
+    keys and values to the cache and returns next-token logits [B, L, V]. `num_tokens` [B] marks rows
+    with fewer real tokens (the rest is padding, neither written nor attended to).
+  - `denoise(canvas, cache, self_conditioning_logits)`: the canvas [B, C] at positions after the cache,
+    attending bidirectionally to the cache and itself; returns float32 logits [B, C, V]. The optional
+    logits [B, C, V] of a previous pass enter through self-conditioning; `self_conditioning_mask` [B]
+    zeroes that signal per row (None means a zero signal, which is not the same as zero logits).
+  - `__call__(prompt, canvas, ...)`: encode the prompt, then denoise the canvas.
+  """
+
+  config: ModelConfig
+
+  def setup(self):
+    cfg = self.config
+    self.embedder = layers.Embedder(cfg.vocab_size, cfg.hidden_size, cfg.final_logit_softcap,
+                                    jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype))
+    block = Block
+    if cfg.remat:
+      block = nn.remat(Block, methods=["encode", "denoise"])
+    self.blocks = [block(cfg, i, name=f"layer_{i}") for i in range(cfg.num_layers)]
+    self.final_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=jnp.dtype(cfg.param_dtype))
+    self.self_conditioning = SelfConditioning(cfg)
+
+  def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
+    """An empty cache holding up to `capacity` positions per row."""
+    return KVCache.empty(self.config, batch_size, capacity, dtype)
+
+  def encode(self, tokens: Array, cache: KVCache | None = None, *, num_tokens: Array | None = None,
+             return_hidden: bool = False):
+    """Causal encoding of `tokens` [B, L] after the cache. Returns (logits [B, L, V], cache)."""
+    b, l = tokens.shape
+    if cache is None:
+      cache = self.init_cache(b, l)
+    num_tokens = jnp.full((b,), l, jnp.int32) if num_tokens is None else num_tokens.astype(jnp.int32)
+    positions = cache.length[:, None] + jnp.arange(l, dtype=jnp.int32)[None]  # [B, L]
+    valid = jnp.arange(l)[None] < num_tokens[:, None]
+    new_length = cache.length + num_tokens
+    x = self.embedder.encode(tokens)  # [B, L, D]
+    keys, values = [], []
+    for i, block in enumerate(self.blocks):
+      x, k, v = block.encode(x, positions, valid, cache.keys[i], cache.values[i], new_length)
+      keys.append(k)
+      values.append(v)
+    x = self.final_norm(x)
+    cache = KVCache(tuple(keys), tuple(values), new_length)
+    if return_hidden:
+      return x, cache
+    return self.embedder.decode(x), cache
+
+  def denoise(self, canvas: Array, cache: KVCache | None = None, self_conditioning_logits: Array | None = None,
+              self_conditioning_mask: Array | None = None) -> Array:
+    """Denoiser logits [B, C, V] (float32) for `canvas` [B, C] given a read-only cache."""
+    b, c = canvas.shape
+    if cache is None:
+      cache = self.init_cache(b, 0)
+    x = self.embedder.encode(canvas)  # [B, C, D]
+    signal = None
+    if self_conditioning_logits is not None:
+      signal = self.embedder.soft_encode(self_conditioning_logits)
+      if self_conditioning_mask is not None:
+        signal = signal * self_conditioning_mask.astype(signal.dtype)[:, None, None]
+    x = self.self_conditioning(x, signal)
+    positions = cache.length[:, None] + jnp.arange(c, dtype=jnp.int32)[None]  # [B, C]
+    for i, block in enumerate(self.blocks):
+      x = block.denoise(x, positions, cache.keys[i], cache.values[i], cache.length)
+    return self.embedder.decode(self.final_norm(x))
+
+  def __call__(self, prompt: Array, canvas: Array, self_conditioning_logits: Array | None = None,
+               self_conditioning_mask: Array | None = None) -> Array:
+    _, cache = self.encode(prompt)
+    return self.denoise(canvas, cache, self_conditioning_logits, self_conditioning_mask)
