@@ -1,0 +1,63 @@
+"""The ml_collections layout shared by every config file and binary (see DESIGN.md).
+
+`configs/*.py` call `base_config(**model_fields)` and override what they need; binaries turn
+`config.model` into a `ModelConfig` once (`ModelConfig.from_dict`).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def base_config(**model) -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.model = ml_collections.ConfigDict(model)
+
+  config.data = ml_collections.ConfigDict()
+  config.data.corpus = "stdlib"  # 'stdlib', a folder of text files, or a .jsonl file
+  config.data.text_field = "text"  # for JSONL corpora
+  config.data.tokenizer_path = ""  # empty: train one on the corpus into workdir/tokenizer.model
+  config.data.vocab_size = 4096  # of a tokenizer trained here; must equal model.vocab_size
+  config.data.prompt_length = 32
+  config.data.num_canvases = 2
+  config.data.validation_fraction = 0.02
+
+  config.diffusion = ml_collections.ConfigDict()
+  config.diffusion.noise = "uniform"  # 'uniform' (released) | 'masked' (absorbing state)
+  config.diffusion.eps = 1e-4  # t ~ U(eps, 1 - eps)
+  config.diffusion.self_conditioning_prob = 0.5
+  config.diffusion.ar_loss_weight = 1.0
+  config.diffusion.all_canvases = False  # train every canvas in one block-causal pass (BD3-LM style)
+
+  config.train = ml_collections.ConfigDict()
+  config.train.num_steps = 1000
+  config.train.batch_size = 16
+  config.train.learning_rate = 3e-3
+  config.train.warmup_steps = 50
+  config.train.weight_decay = 0.01
+  config.train.grad_clip = 1.0
+  config.train.compute_dtype = "float32"  # or 'bfloat16'
+  config.train.nan_policy = "error"  # 'error' | 'skip'
+  config.train.log_every = 10
+  config.train.eval_every = 200
+  config.train.eval_batches = 8
+  config.train.checkpoint_every = 200
+  config.train.keep_checkpoints = 3
+  config.train.seed = 0
+
+  config.sampler = ml_collections.ConfigDict()
+  config.sampler.max_denoising_steps = 48
+  config.sampler.t_max = 0.8
+  config.sampler.t_min = 0.4
+  config.sampler.entropy_bound = 0.1
+  config.sampler.stability_threshold = 1
+  config.sampler.confidence_threshold = 0.005
+  config.sampler.stop_tokens = (1,)
+  config.sampler.max_new_tokens = 64
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = -1  # -1: every device not used by the other axes
+  config.mesh.fsdp = 1
+  config.mesh.expert = 1
+  config.mesh.tensor = 1
+  return config
