@@ -131,14 +131,27 @@ class Attention(nn.Module):
       mask &= key_pos > query_pos - self.config.sliding_window
     return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), keys, values
 
-  def denoise(self, x: Array, positions: Array, keys: Array, values: Array, length: Array) -> Array:
-    """Bidirectional attention of a canvas over [cache ; canvas]; the cache is only read."""
+  def denoise(self, x: Array, positions: Array, keys: Array, values: Array, length: Array,
+              block_length: int | None = None) -> Array:
+    """Bidirectional attention of a canvas over [cache ; canvas]; the cache is only read.
+
+    With `block_length` < the canvas length, x holds several consecutive canvases (blocks) denoised in
+    one pass, block-causally: block i sees the cache up to its own start, length + i * block_length, and
+    itself, exactly as if it were denoised alone after a cache of the clean earlier blocks.
+    """
     q, k, v = self.project(x, positions)
-    slot = jnp.arange(keys.shape[1])[None, :]  # [1, S]
-    cache_mask = slot < length[:, None]
+    b, c = x.shape[:2]
+    block_length = block_length or c
+    if c % block_length:
+      raise ValueError(f"Canvas length {c} is not a multiple of block_length={block_length}.")
+    block = jnp.arange(c) // block_length  # [C]
+    visible_end = length[:, None] + block[None] * block_length  # [B, C] cache end seen by each query
+    slot = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
+    cache_mask = slot < visible_end[:, :, None]  # [B, C, S]
     if not self.is_full:
-      cache_mask &= slot >= length[:, None] - (self.config.sliding_window - 1)
-    mask = jnp.concatenate([cache_mask, jnp.ones((x.shape[0], x.shape[1]), bool)], axis=1)
+      cache_mask &= slot >= visible_end[:, :, None] - (self.config.sliding_window - 1)
+    canvas_mask = jnp.broadcast_to(block[:, None] == block[None, :], (b, c, c))
+    mask = jnp.concatenate([cache_mask, canvas_mask], axis=2)
     keys = jnp.concatenate([keys.astype(q.dtype), k], axis=1)
     values = jnp.concatenate([values.astype(q.dtype), v], axis=1)
-    return self.attend(q, keys, values, mask[:, None, :])
+    return self.attend(q, keys, values, mask)

@@ -58,9 +58,9 @@ class Block(nn.Module):
     h = x + self.post_attention_norm(attn)
     return self._feed_forward(h, self.encoder_scalar), keys, values
 
-  def denoise(self, x, positions, keys, values, length):
+  def denoise(self, x, positions, keys, values, length, block_length=None):
     h = x + self.post_attention_norm(self.attn.denoise(self.pre_attention_norm(x), positions, keys,
-                                                       values, length))
+                                                       values, length, block_length))
     return self._feed_forward(h, self.decoder_scalar)
 
 
@@ -136,8 +136,14 @@ class DiffusionGemma(nn.Module):
     return self.embedder.decode(x), cache
 
   def denoise(self, canvas: Array, cache: KVCache | None = None, self_conditioning_logits: Array | None = None,
-              self_conditioning_mask: Array | None = None) -> Array:
-    """Denoiser logits [B, C, V] (float32) for `canvas` [B, C] given a read-only cache."""
+              self_conditioning_mask: Array | None = None, *, block_length: int | None = None) -> Array:
+    """Denoiser logits [B, C, V] (float32) for `canvas` [B, C] given a read-only cache.
+
+    `block_length` (static) denoises C / block_length consecutive canvases in one block-causal pass
+    (training every canvas at once): block i attends to the cache up to length + i * block_length and to
+    itself. The cache must then hold the clean earlier blocks, e.g. the encoder cache of the clean
+    sequence, whose `length` is each row's first-canvas start.
+    """
     b, c = canvas.shape
     if cache is None:
       cache = self.init_cache(b, 0)
@@ -150,7 +156,7 @@ class DiffusionGemma(nn.Module):
     x = self.self_conditioning(x, signal)
     positions = cache.length[:, None] + jnp.arange(c, dtype=jnp.int32)[None]  # [B, C]
     for i, block in enumerate(self.blocks):
-      x = block.denoise(x, positions, cache.keys[i], cache.values[i], cache.length)
+      x = block.denoise(x, positions, cache.keys[i], cache.values[i], cache.length, block_length)
     return self.embedder.decode(self.final_norm(x))
 
   def __call__(self, prompt: Array, canvas: Array, self_conditioning_logits: Array | None = None,
