@@ -61,3 +61,17 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.mesh.expert = 1
   config.mesh.tensor = 1
   return config
+
+
+def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file, outside absl (tests, notebooks)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"No config file {str(path)!r}.")
+  spec = importlib.util.spec_from_file_location(path.stem, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)

@@ -2,6 +2,6 @@
 
 from diffusiongemma.model.attention import KVCache
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
-from diffusiongemma.model.transformer import DiffusionGemma
+from diffusiongemma.model.transformer import DiffusionGemma, count_parameters
 
-__all__ = ["DiffusionGemma", "FULL", "KVCache", "ModelConfig", "SLIDING"]
+__all__ = ["DiffusionGemma", "FULL", "count_parameters", "KVCache", "ModelConfig", "SLIDING"]

@@ -1,0 +1,231 @@
+"""The model's properties on tiny random configs, and the released config's size via eval_shape."""
+
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma.config_base import load_config_file
+from diffusiongemma.model import moe
+
+CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
+
+TINY = dg.ModelConfig(
+    vocab_size=61, hidden_size=40, num_layers=4, layer_types=("sliding", "full", "sliding", "full"),
+    num_heads=4, num_kv_heads=2, head_dim=10, num_full_kv_heads=1, full_head_dim=14, sliding_window=4,
+    intermediate_size=36, num_experts=5, top_k=2, moe_intermediate_size=20, canvas_length=6,
+    max_positions=256)
+
+
+@pytest.fixture(scope="module")
+def params():
+  model = dg.DiffusionGemma(TINY)
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  return nn.unbox(model.init(jax.random.key(0), tokens, jnp.zeros((1, 6), jnp.int32)))["params"]
+
+
+def _tokens(seed, shape, vocab=TINY.vocab_size):
+  return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
+def _encode(params, tokens, cache=None, config=TINY, **kw):
+  model = dg.DiffusionGemma(config)
+  return model.apply({"params": params}, tokens, cache, method=model.encode, **kw)
+
+
+def _denoise(params, canvas, cache, sc=None, config=TINY, **kw):
+  model = dg.DiffusionGemma(config)
+  return model.apply({"params": params}, canvas, cache, sc, method=model.denoise, **kw)
+
+
+def test_released_config_size():
+  cfg = dg.ModelConfig.from_dict(load_config_file(CONFIGS / "diffusiongemma_26b_a4b.py").model)
+  counts = dg.model.count_parameters(cfg)
+  print(f"26B-A4B: total {counts['total'] / 1e9:.3f}B, active per token {counts['active'] / 1e9:.3f}B")
+  assert abs(counts["total"] / 25.2e9 - 1) <= 0.02
+  assert abs(counts["active"] / 3.8e9 - 1) <= 0.05
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "diffusiongemma_26b_a4b"])
+def test_config_files_build(name):
+  config = load_config_file(CONFIGS / f"{name}.py")
+  cfg = dg.ModelConfig.from_dict(config.model)
+  assert cfg.layer_types[-1] == dg.model.FULL
+  assert config.data.vocab_size == cfg.vocab_size
+
+
+def test_encoder_is_causal(params):
+  tokens = _tokens(0, (2, 9))
+  changed = tokens.at[:, 6].set((tokens[:, 6] + 1) % TINY.vocab_size)
+  a, _ = _encode(params, tokens)
+  b, _ = _encode(params, changed)
+  np.testing.assert_array_equal(a[:, :6], b[:, :6])
+  assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3
+
+
+def test_every_canvas_position_sees_every_other(params):
+  _, cache = _encode(params, _tokens(1, (1, 7)))
+  canvas = _tokens(2, (1, TINY.canvas_length))
+  base = _denoise(params, canvas, cache)
+  for j in range(TINY.canvas_length):
+    changed = _denoise(params, canvas.at[0, j].set((canvas[0, j] + 1) % TINY.vocab_size), cache)
+    moved = np.abs(changed - base).max(axis=-1)[0]  # [C]
+    assert (moved > 1e-6).all(), f"changing canvas position {j} left positions {np.where(moved <= 1e-6)} unchanged"
+
+
+def test_encode_in_pieces_equals_encode_at_once(params):
+  tokens = _tokens(3, (2, 11))  # longer than the window, split across it
+  whole, whole_cache = _encode(params, tokens)
+  cache = dg.KVCache.empty(TINY, 2, 11)
+  first, cache = _encode(params, tokens[:, :5], cache)
+  second, cache = _encode(params, tokens[:, 5:], cache)
+  np.testing.assert_allclose(np.concatenate([first, second], 1), whole, atol=1e-5)
+  np.testing.assert_array_equal(cache.length, [11, 11])
+  for a, b in zip(cache.keys + cache.values, whole_cache.keys + whole_cache.values):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_padded_rows_equal_unpadded(params):
+  """Prompts of different lengths in one batch (right padding + num_tokens) equal each row alone."""
+  tokens = _tokens(4, (2, 8))
+  lengths = jnp.asarray([8, 5])
+  logits, cache = _encode(params, tokens, dg.KVCache.empty(TINY, 2, 20), num_tokens=lengths)
+  canvas = _tokens(5, (2, TINY.canvas_length))
+  denoised = _denoise(params, canvas, cache)
+  for row, n in enumerate([8, 5]):
+    alone_logits, alone_cache = _encode(params, tokens[row:row + 1, :n])
+    np.testing.assert_allclose(logits[row, :n], alone_logits[0], atol=1e-5)
+    np.testing.assert_allclose(denoised[row], _denoise(params, canvas[row:row + 1], alone_cache)[0], atol=1e-5)
+
+
+def test_training_cache_prefix_equals_prompt_cache(params):
+  """The clean full-sequence cache seen up to a canvas start equals encoding only that prefix."""
+  sequence = _tokens(6, (2, 4 + 2 * TINY.canvas_length))
+  _, full = _encode(params, sequence)
+  canvas = _tokens(7, (2, TINY.canvas_length))
+  start = 4 + TINY.canvas_length
+  _, prefix = _encode(params, sequence[:, :start])
+  np.testing.assert_allclose(_denoise(params, canvas, full.with_length(start)),
+                             _denoise(params, canvas, prefix), atol=1e-5)
+
+
+def test_block_causal_multi_canvas_equals_one_at_a_time(params):
+  c = TINY.canvas_length
+  sequence = _tokens(8, (2, 5 + 3 * c))
+  _, cache = _encode(params, sequence)
+  noisy = _tokens(9, (2, 3 * c))
+  together = _denoise(params, noisy, cache.with_length(5), block_length=c)
+  for i in range(3):
+    alone = _denoise(params, noisy[:, i * c:(i + 1) * c], cache.with_length(5 + i * c))
+    np.testing.assert_allclose(together[:, i * c:(i + 1) * c], alone, atol=1e-5)
+
+
+def test_self_conditioning(params):
+  _, cache = _encode(params, _tokens(10, (2, 5)))
+  canvas = _tokens(11, (2, TINY.canvas_length))
+  sc = jax.random.normal(jax.random.key(1), (2, TINY.canvas_length, TINY.vocab_size))
+  none = _denoise(params, canvas, cache)
+  with_sc = _denoise(params, canvas, cache, sc)
+  masked = _denoise(params, canvas, cache, sc, self_conditioning_mask=jnp.asarray([True, False]))
+  assert np.abs(with_sc - none).max() > 1e-3
+  np.testing.assert_allclose(masked[0], with_sc[0], atol=1e-6)
+  np.testing.assert_allclose(masked[1], none[1], atol=1e-6)
+  # zero logits are a uniform signal (the mean embedding), not "no signal"
+  assert np.abs(_denoise(params, canvas, cache, jnp.zeros_like(sc)) - none).max() > 1e-3
+
+
+def _routing(seed, num_tokens, skew):
+  rng = np.random.default_rng(seed)
+  if skew:  # every token on experts 0 and 1: the most unbalanced groups possible
+    experts = np.tile([0, 1], (num_tokens, 1))
+  else:
+    experts = np.stack([rng.permutation(TINY.num_experts)[:TINY.top_k] for _ in range(num_tokens)])
+  weights = rng.uniform(0.1, 1.0, experts.shape)
+  return jnp.asarray(weights, jnp.float32), jnp.asarray(experts, jnp.int32)
+
+
+@pytest.mark.parametrize("impl", ["grouped", "ragged"])
+@pytest.mark.parametrize("num_tokens,skew", [(1, False), (13, False), (64, False), (64, True)])
+def test_sparse_experts_equal_dense(impl, num_tokens, skew):
+  x = jax.random.normal(jax.random.key(2), (num_tokens, TINY.hidden_size))
+  weights, experts = _routing(num_tokens, num_tokens, skew)
+  dense = moe.Experts(TINY.replace(moe_impl="dense"))
+  variables = dense.init(jax.random.key(3), x, weights, experts)
+  want = dense.apply(variables, x, weights, experts)
+  got = moe.Experts(TINY.replace(moe_impl=impl)).apply(variables, x, weights, experts)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_sparse_experts_gradients_equal_dense():
+  x = jax.random.normal(jax.random.key(4), (24, TINY.hidden_size))
+  weights, experts = _routing(0, 24, False)
+  variables = moe.Experts(TINY).init(jax.random.key(5), x, weights, experts)
+
+  def grads(impl):
+    module = moe.Experts(TINY.replace(moe_impl=impl))
+    return jax.grad(lambda v, x: module.apply(v, x, weights, experts).sum(), argnums=(0, 1))(variables, x)
+
+  for got, want in zip(jax.tree.leaves(grads("grouped")), jax.tree.leaves(grads("dense"))):
+    np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_remat_and_bfloat16(params):
+  prompt, canvas = _tokens(12, (2, 5)), _tokens(13, (2, TINY.canvas_length))
+
+  def loss(p, config):
+    return dg.DiffusionGemma(config).apply({"params": p}, prompt, canvas).mean()
+
+  want = jax.grad(loss)(params, TINY)
+  got = jax.grad(loss)(params, TINY.replace(remat=True))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  bf16 = dg.DiffusionGemma(TINY.replace(dtype="bfloat16")).apply({"params": params}, prompt, canvas)
+  full = dg.DiffusionGemma(TINY).apply({"params": params}, prompt, canvas)
+  assert bf16.dtype == jnp.float32 and np.abs(bf16 - full).max() < 0.1
+
+
+def test_parameters_carry_logical_axes():
+  model = dg.DiffusionGemma(TINY)
+  boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32),
+                                            jnp.zeros((1, 6), jnp.int32)))["params"]
+  leaves = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert leaves and all(isinstance(x, nn.Partitioned) for x in leaves)
+  for leaf in leaves:
+    assert len(leaf.names) == len(leaf.value.shape)
+  assert boxed["layer_1"]["experts"]["gating_einsum"].names == ("experts", None, "expert_mlp", "embed")
+
+
+BAD_CONFIGS = [
+    (dict(top_k=6), "top_k=6"),
+    (dict(num_kv_heads=3), "num_kv_heads=3"),
+    (dict(num_full_kv_heads=3), "num_full_kv_heads=3"),
+    (dict(sliding_window=0), "sliding_window=0"),
+    (dict(layer_types=("full", "sliding", "full", "sliding")), "last layer"),
+    (dict(layer_types=("sliding", "full")), "one entry per layer"),
+    (dict(layer_types=("sliding", "local", "sliding", "full")), "'local'"),
+    (dict(hidden_size=-4), "hidden_size=-4"),
+    (dict(head_dim=11), "head_dim=11"),
+    (dict(num_experts=2.5), "num_experts=2.5"),
+    (dict(full_partial_rotary_factor=1.5), "full_partial_rotary_factor=1.5"),
+    (dict(dtype="float8"), "dtype='float8'"),
+    (dict(moe_impl="megablocks"), "moe_impl='megablocks'"),
+    (dict(canvas_length=1000), "canvas_length=1000"),
+    (dict(eos_id=61), "eos_id=61"),
+    (dict(final_logit_softcap=0.0), "final_logit_softcap=0.0"),
+]
+
+
+@pytest.mark.parametrize("changes,message", BAD_CONFIGS)
+def test_bad_config_is_rejected_clearly(changes, message):
+  with pytest.raises(ValueError, match=f"ModelConfig.*{__import__('re').escape(message)}"):
+    TINY.replace(**changes)
+
+
+def test_unknown_config_field_is_named():
+  with pytest.raises(ValueError, match="num_expert"):
+    dg.ModelConfig.from_dict({**TINY.to_dict(), "num_expert": 4})
+  assert dg.ModelConfig.from_dict(TINY.to_dict()) == TINY
