@@ -3,5 +3,10 @@
 from diffusiongemma import convert, data
 from diffusiongemma import model
 from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
+from diffusiongemma import sampling
+from diffusiongemma.sampling import Sampler, SamplerConfig
 
-__all__ = ["DiffusionGemma", "KVCache", "ModelConfig", "convert", "data", "model"]
+__all__ = [
+    "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "convert", "data", "model",
+    "sampling",
+]

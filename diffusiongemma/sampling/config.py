@@ -1,0 +1,110 @@
+"""`SamplerConfig`: every knob of the block-diffusion sampler, frozen, hashable and validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+ACCEPTANCE_RULES = ("entropy", "confidence", "count")
+STOPPING_RULES = ("stable", "fixed")
+NOISES = ("uniform", "masked")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplerConfig:
+  """Settings of `Sampler.generate`; the defaults are those of the released model (transformers).
+
+  Schedule: at step n of N (counting the steps *remaining*, N down to 1) the logits are divided by
+  T = t_min + (t_max - t_min) * n / N, so the first step runs at t_max and the last one just above t_min.
+
+  acceptance: which sampled tokens of a step are kept.
+    'entropy'    (released) the lowest-entropy positions whose summed entropy, minus the largest of them,
+                 is at most `entropy_bound` (EB-sampler); at least one token per step.
+    'confidence' positions whose top probability is at least `confidence_accept` (Fast-dLLM); when none
+                 is, the single most confident one.
+    'count'      the `tokens_per_step` most confident positions (LLaDA-style).
+  stopping: when a canvas is done.
+    'stable'     (released) the argmax canvas equals the previous `stability_threshold` steps' argmax
+                 canvases and the mean entropy of the scaled distribution is below `confidence_threshold`.
+    'fixed'      always run `max_denoising_steps` steps.
+  noise: 'uniform' (released) starts from uniformly random tokens and re-noises every position that was
+    not accepted; 'masked' starts from `mask_token_id` everywhere (default: the vocabulary's last id),
+    keeps accepted tokens for good and never samples the mask token.
+  stop_tokens: after the first of them a row is finished and the rest of its output is pad; None means
+    the model's `eos_id`.
+  canvas_length: None means the model's; anything else must equal it.
+  prompt_bucket: prompts are right-padded to a multiple of this, so that nearby prompt lengths share one
+    compiled program.
+  """
+
+  max_denoising_steps: int = 48
+  t_max: float = 0.8
+  t_min: float = 0.4
+  entropy_bound: float = 0.1
+  stability_threshold: int = 1
+  confidence_threshold: float = 0.005
+  stop_tokens: tuple[int, ...] | None = None
+  acceptance: str = "entropy"
+  confidence_accept: float = 0.9
+  tokens_per_step: int = 1
+  stopping: str = "stable"
+  noise: str = "uniform"
+  mask_token_id: int | None = None
+  canvas_length: int | None = None
+  prompt_bucket: int = 64
+
+  def __post_init__(self):
+    if self.stop_tokens is not None:
+      tokens = (self.stop_tokens,) if isinstance(self.stop_tokens, numbers.Integral) else self.stop_tokens
+      object.__setattr__(self, "stop_tokens", tuple(tokens))
+    self._validate()
+
+  def _validate(self):
+    def fail(field, allowed):
+      raise ValueError(f"SamplerConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
+
+    def is_int(value):
+      return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+    def is_real(value):
+      return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+    for field in ("max_denoising_steps", "tokens_per_step", "prompt_bucket"):
+      if not is_int(getattr(self, field)) or getattr(self, field) < 1:
+        fail(field, "must be a positive integer")
+    for field in ("t_max", "t_min", "entropy_bound", "confidence_threshold"):
+      if not is_real(getattr(self, field)) or not getattr(self, field) > 0:
+        fail(field, "must be a positive number")
+    if self.t_min > self.t_max:
+      fail("t_min", f"must be at most t_max={self.t_max!r}")
+    if not is_real(self.confidence_accept) or not 0 < self.confidence_accept <= 1:
+      fail("confidence_accept", "must be a probability in (0, 1]")
+    if not is_int(self.stability_threshold) or self.stability_threshold < 0:
+      fail("stability_threshold", "must be an integer >= 0")
+    for field, allowed in (("acceptance", ACCEPTANCE_RULES), ("stopping", STOPPING_RULES), ("noise", NOISES)):
+      if getattr(self, field) not in allowed:
+        fail(field, f"must be one of {allowed}")
+    if self.stop_tokens is not None and not all(is_int(t) and t >= 0 for t in self.stop_tokens):
+      fail("stop_tokens", "must be non-negative token ids")
+    for field in ("mask_token_id", "canvas_length"):
+      value = getattr(self, field)
+      if value is not None and (not is_int(value) or value < (0 if field == "mask_token_id" else 1)):
+        fail(field, "must be None or a " + ("token id >= 0" if field == "mask_token_id" else "positive integer"))
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "SamplerConfig":
+    """From a mapping such as `config.sampler`; `max_new_tokens` (a `generate` argument) is ignored."""
+    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+    values.pop("max_new_tokens", None)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"Unknown SamplerConfig fields {unknown}; known fields are {sorted(known)}.")
+    if isinstance(values.get("stop_tokens"), list):
+      values["stop_tokens"] = tuple(values["stop_tokens"])
+    return cls(**values)
+
+  def replace(self, **changes) -> "SamplerConfig":
+    return dataclasses.replace(self, **changes)

@@ -1,0 +1,366 @@
+"""The sampler on a tiny random model and on hand-written logits.
+
+Every generation test shares one compiled program (batch 3, prompt bucket 8, two canvases), so that the
+file stays fast on two cores; the other rules and noises run end to end under the `slow` marker.
+"""
+
+import pathlib
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma.config_base import load_config_file
+from diffusiongemma.sampling import autoregressive, rules, steps
+
+ROOT = pathlib.Path(__file__).parent.parent
+TINY = dg.ModelConfig(
+    vocab_size=61, hidden_size=32, num_layers=2, layer_types=("sliding", "full"), num_heads=2,
+    num_kv_heads=1, head_dim=8, num_full_kv_heads=1, full_head_dim=8, sliding_window=4,
+    intermediate_size=32, num_experts=2, top_k=1, moe_intermediate_size=16, canvas_length=8,
+    max_positions=64)
+STOP = (5, 11, 17, 23)  # frequent enough that some rows stop in the first canvas, others later
+CONFIG = dg.SamplerConfig(max_denoising_steps=6, stop_tokens=STOP, prompt_bucket=8)
+B, NEW = 3, 16
+
+
+@pytest.fixture(scope="module")
+def model():
+  return dg.DiffusionGemma(TINY)
+
+
+def random_params(model, seed=0):
+  """Random weights from the parameter shapes alone (nothing compiled): N(0, 1/fan-in) matrices,
+  norm scales and layer scalars near one."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens, tokens))["params"])
+  rng = np.random.default_rng(seed)
+
+  def draw(leaf):
+    if leaf.ndim < 2:
+      return jnp.asarray(1.0 + 0.1 * rng.standard_normal(leaf.shape), leaf.dtype)
+    return jnp.asarray(rng.standard_normal(leaf.shape) / np.sqrt(leaf.shape[-2]), leaf.dtype)
+
+  return jax.tree.map(draw, shapes)
+
+
+@pytest.fixture(scope="module")
+def params(model):
+  return random_params(model)
+
+
+@pytest.fixture(scope="module")
+def sampler(model):
+  return dg.Sampler(model, CONFIG)
+
+
+def _prompts(seed, lengths=(5, 5, 5)):
+  rng = np.random.default_rng(seed)
+  return rng.integers(3, TINY.vocab_size, (len(lengths), max(lengths)))
+
+
+def _keys(*seeds):
+  return jnp.stack([jax.random.key(s) for s in seeds])
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_config_defaults_are_the_released_ones():
+  cfg = dg.SamplerConfig()
+  assert (cfg.max_denoising_steps, cfg.t_max, cfg.t_min, cfg.entropy_bound, cfg.stability_threshold,
+          cfg.confidence_threshold) == (48, 0.8, 0.4, 0.1, 1, 0.005)
+  assert (cfg.acceptance, cfg.stopping, cfg.noise) == ("entropy", "stable", "uniform")
+  assert hash(cfg) == hash(dg.SamplerConfig()) and cfg == dg.SamplerConfig()
+  assert hash(dg.SamplerConfig(stop_tokens=[1, 106])) == hash(dg.SamplerConfig(stop_tokens=(1, 106)))
+  from_file = dg.SamplerConfig.from_dict(load_config_file(ROOT / "configs" / "tiny.py").sampler)
+  assert from_file.stop_tokens == (1,) and from_file.max_denoising_steps == 48
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(t_min=0.0), "t_min=0.0"),
+    (dict(t_max=-1.0), "t_max=-1.0"),
+    (dict(t_min=0.9, t_max=0.5), "at most t_max"),
+    (dict(entropy_bound=0.0), "entropy_bound=0.0"),
+    (dict(entropy_bound=-0.1), "positive"),
+    (dict(max_denoising_steps=0), "max_denoising_steps=0"),
+    (dict(stability_threshold=-1), "stability_threshold=-1"),
+    (dict(confidence_threshold=0), "confidence_threshold=0"),
+    (dict(acceptance="greedy"), "one of ('entropy', 'confidence', 'count')"),
+    (dict(stopping="never"), "one of ('stable', 'fixed')"),
+    (dict(noise="gaussian"), "one of ('uniform', 'masked')"),
+    (dict(tokens_per_step=0), "tokens_per_step=0"),
+    (dict(confidence_accept=1.5), "confidence_accept=1.5"),
+    (dict(stop_tokens=(-1,)), "stop_tokens"),
+])
+def test_bad_config_is_rejected_clearly(changes, message):
+  with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    dg.SamplerConfig(**changes)
+
+
+def test_unknown_sampler_field_is_named():
+  with pytest.raises(ValueError, match="entropy_bund"):
+    dg.SamplerConfig.from_dict({"entropy_bund": 0.1})
+
+
+def test_bad_input_is_rejected_clearly(model, params, sampler):
+  key = jax.random.key(0)
+  prompt = _prompts(0)
+  cases = [
+      (dict(prompt_tokens=np.zeros((3, 0), np.int32)), "Empty prompt"),
+      (dict(prompt_tokens=prompt, prompt_lengths=[5, 0, 5]), "Empty prompt"),
+      (dict(prompt_tokens=np.ones((1, 60), np.int32)), "too long"),
+      (dict(prompt_tokens=prompt + TINY.vocab_size), "outside the vocabulary"),
+      (dict(prompt_tokens=-prompt), "outside the vocabulary"),
+      (dict(prompt_tokens=prompt, max_new_tokens=0), "max_new_tokens=0"),
+      (dict(prompt_tokens=prompt, initial_canvas=np.zeros((3, 5), np.int32)), "canvas length 8"),
+      (dict(prompt_tokens=prompt, initial_canvas=np.full((3, 8), 99)), "vocabulary"),
+  ]
+  for kwargs, message in cases:
+    kwargs.setdefault("max_new_tokens", NEW)
+    with pytest.raises(ValueError, match=message):
+      sampler.generate(params, rng=key, **kwargs)
+  with pytest.raises(ValueError, match="canvas_length=16 differs"):
+    dg.Sampler(model, CONFIG.replace(canvas_length=16))
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    dg.Sampler(model, CONFIG.replace(stop_tokens=(61,)))
+  with pytest.raises(ValueError, match="temperature"):
+    sampler.autoregressive(params, prompt, key, 4, temperature=-1.0)
+  with pytest.raises(ValueError, match="top_p"):
+    sampler.autoregressive(params, prompt, key, 4, top_p=0.0)
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    sampler.autoregressive(params, prompt, key, 0)
+  assert sampler.trace_count == 0  # all of it is refused before anything is compiled
+
+
+# ------------------------------------------------------------------------------------------ rules
+def test_temperature_schedule_is_linear_in_the_remaining_steps():
+  cfg = dg.SamplerConfig(max_denoising_steps=4, t_max=0.8, t_min=0.4)
+  np.testing.assert_allclose(rules.temperature(cfg, jnp.arange(4, 0, -1)), [0.8, 0.7, 0.6, 0.5], rtol=1e-6)
+
+
+def test_entropy_bound_on_hand_written_entropies():
+  ent = jnp.array([[0.30, 0.01, 0.05, 0.02, 0.50, 0.04]])
+  all_ = jnp.ones_like(ent, bool)
+  # Ascending 0.01, 0.02, 0.04, 0.05, 0.30: sums before each 0, .01, .03, .07, .12 -> four fit 0.1.
+  np.testing.assert_array_equal(rules.accept_by_entropy(ent, all_, 0.1), [[0, 1, 1, 1, 0, 1]])
+  for bound in (1e-9, 0.02, 0.1, 0.5, 10.0):
+    acc = np.asarray(rules.accept_by_entropy(ent, all_, bound))[0]
+    chosen = np.sort(np.asarray(ent)[0][acc])
+    assert acc.sum() >= 1 and chosen.sum() - chosen.max() <= bound + 1e-7
+    rest = np.asarray(ent)[0][~acc]
+    assert rest.size == 0 or rest.min() >= chosen.max()  # the lowest entropies are the ones taken
+  # A large first entropy is still accepted alone: at least one token per step.
+  np.testing.assert_array_equal(rules.accept_by_entropy(jnp.array([[5.0, 7.0]]), jnp.ones((1, 2), bool),
+                                                        0.1), [[1, 0]])
+
+
+def test_entropy_bound_ties_and_eligibility():
+  ent = jnp.array([[0.2, 0.2, 0.2, 0.2]])
+  all_ = jnp.ones_like(ent, bool)
+  # Ties: 0 + .2 > .1 after the first, so exactly one is taken, the lowest index.
+  np.testing.assert_array_equal(rules.accept_by_entropy(ent, all_, 0.1), [[1, 0, 0, 0]])
+  np.testing.assert_array_equal(rules.accept_by_entropy(ent, all_, 0.45), [[1, 1, 1, 0]])
+  eligible = jnp.array([[False, True, False, True]])
+  np.testing.assert_array_equal(rules.accept_by_entropy(jnp.zeros((1, 4)), eligible, 0.1), eligible)
+  np.testing.assert_array_equal(rules.accept_by_entropy(jnp.zeros((1, 4)), jnp.zeros((1, 4), bool), 0.1),
+                                [[0, 0, 0, 0]])
+
+
+def test_confidence_and_count_rules():
+  conf = jnp.array([[0.95, 0.50, 0.91, 0.99], [0.3, 0.6, 0.6, 0.2]])
+  all_ = jnp.ones_like(conf, bool)
+  np.testing.assert_array_equal(rules.accept_by_confidence(conf, all_, 0.9), [[1, 0, 1, 1], [0, 1, 0, 0]])
+  no_last = all_.at[0, 3].set(False).at[1, 1].set(False)
+  np.testing.assert_array_equal(rules.accept_by_confidence(conf, no_last, 0.97), [[1, 0, 0, 0], [0, 0, 1, 0]])
+  np.testing.assert_array_equal(rules.accept_by_count(conf, all_, 2), [[1, 0, 0, 1], [0, 1, 1, 0]])
+  np.testing.assert_array_equal(rules.accept_by_count(conf, no_last, 3), [[1, 1, 1, 0], [1, 0, 1, 1]])
+
+
+def test_acceptance_from_logits():
+  # Row of a near one-hot position, a uniform position and a two-way tie.
+  logits = jnp.array([[[20.0, 0, 0, 0], [0, 0, 0, 0], [5.0, 5.0, -20, -20]]])
+  ent = rules.entropy(logits)
+  np.testing.assert_allclose(ent[0], [0.0, np.log(4), np.log(2)], atol=1e-5)
+  all_ = jnp.ones((1, 3), bool)
+  # Ascending 0, log 2, log 4: the sums before each are 0, 0, log 2.
+  np.testing.assert_array_equal(rules.accept(CONFIG, logits, ent, all_), [[1, 0, 1]])
+  np.testing.assert_array_equal(rules.accept(CONFIG.replace(entropy_bound=0.7), logits, ent, all_), [[1, 1, 1]])
+  cfg = CONFIG.replace(acceptance="count", tokens_per_step=2)
+  np.testing.assert_array_equal(rules.accept(cfg, logits, ent, all_), [[1, 0, 1]])
+
+
+def test_stopping_rules():
+  hist = jnp.full((1, 2, 3), -1, jnp.int32)
+  argmax = jnp.array([[1, 2, 3], [4, 5, 6]])
+  confident = jnp.zeros((2, 3))
+  stop, hist = rules.should_stop(CONFIG, hist, argmax, confident)
+  assert not stop.any()  # never on the first step
+  stop, hist = rules.should_stop(CONFIG, hist, argmax.at[1, 0].set(0), confident.at[0].set(0.1))
+  np.testing.assert_array_equal(stop, [False, False])  # row 0 unconfident, row 1 changed
+  stop, _ = rules.should_stop(CONFIG, hist, argmax.at[1, 0].set(0), confident)
+  np.testing.assert_array_equal(stop, [True, True])
+  cfg2 = CONFIG.replace(stability_threshold=2)
+  h = jnp.full((2, 2, 3), -1, jnp.int32)
+  for expected in ([False] * 2, [False] * 2, [True] * 2):
+    stop, h = rules.should_stop(cfg2, h, argmax, confident)
+    np.testing.assert_array_equal(stop, expected)
+  stop, _ = rules.should_stop(CONFIG.replace(stopping="fixed"), h, argmax, confident)
+  assert not stop.any()
+
+
+# ------------------------------------------------------------------------------------------ generation
+def test_one_program_no_retrace_and_outputs(params, sampler):
+  out = sampler.generate(params, _prompts(0), _keys(1, 2, 3), max_new_tokens=NEW)
+  again = sampler.generate(params, _prompts(1, (3, 6, 8)), jax.random.key(7), max_new_tokens=NEW - 3,
+                           prompt_lengths=[3, 6, 8])
+  jax.block_until_ready(again)
+  assert sampler.trace_count == 1  # new prompts, lengths, keys and max_new_tokens in the same bucket
+  assert out.tokens.shape == (B, NEW) and out.tokens.dtype == jnp.int32
+  passes = np.asarray(out.canvas_passes)
+  assert ((passes >= 0) & (passes <= CONFIG.max_denoising_steps)).all()
+  np.testing.assert_array_equal(out.num_denoiser_passes, passes.sum(-1))
+  valid = (np.asarray(out.tokens) != TINY.pad_id).sum(-1)
+  np.testing.assert_allclose(out.tokens_per_forward, valid / passes.sum(-1), rtol=1e-6)
+
+
+def test_stop_tokens_finish_rows(params, sampler):
+  out = sampler.generate(params, _prompts(2), _keys(4, 5, 6), max_new_tokens=NEW)
+  out2 = sampler.generate(params, _prompts(3), _keys(7, 8, 9), max_new_tokens=NEW)
+  tokens = np.concatenate([out.tokens, out2.tokens])
+  passes = np.concatenate([out.canvas_passes, out2.canvas_passes])
+  c = TINY.canvas_length
+  stopped_early = 0
+  for row, row_passes in zip(tokens, passes):
+    stops = np.flatnonzero(np.isin(row, STOP))
+    if stops.size:
+      first = stops[0]
+      assert (row[first + 1:] == TINY.pad_id).all(), row
+      if first < c:
+        stopped_early += 1
+        assert row_passes[1] == 0  # a finished row does not run (or count) its later canvases
+    else:
+      assert (row_passes > 0).all()
+  assert stopped_early >= 1 and (~np.isin(tokens[:, :c], STOP).any(-1)).any()
+
+
+def test_batch_independence(params, sampler):
+  prompts = _prompts(4)
+  a = sampler.generate(params, prompts, _keys(10, 11, 12), max_new_tokens=NEW)
+  other = prompts.copy()
+  other[1:] = _prompts(5)[1:]
+  b = sampler.generate(params, other, _keys(10, 13, 14), max_new_tokens=NEW)
+  perm = sampler.generate(params, prompts[[2, 0, 1]], _keys(12, 10, 11), max_new_tokens=NEW)
+  np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
+  np.testing.assert_array_equal(a.num_denoiser_passes[0], b.num_denoiser_passes[0])
+  np.testing.assert_array_equal(a.tokens, np.asarray(perm.tokens)[[1, 2, 0]])
+  assert sampler.trace_count == 1
+
+
+def test_prompts_of_different_lengths_in_one_batch(params, sampler):
+  lengths = [2, 5, 8]
+  prompts = _prompts(6, lengths)
+  keys = _keys(20, 21, 22)
+  mixed = sampler.generate(params, prompts, keys, max_new_tokens=NEW, prompt_lengths=lengths)
+  for i, n in enumerate(lengths):
+    alone = sampler.generate(params, np.repeat(prompts[i:i + 1, :n], B, 0), jnp.stack([keys[i]] * B),
+                             max_new_tokens=NEW)
+    np.testing.assert_array_equal(mixed.tokens[i], alone.tokens[0])
+  assert sampler.trace_count == 1
+
+
+def test_while_loop_equals_python_loop(model, params, sampler):
+  prompts, keys = _prompts(7), _keys(30, 31, 32)
+  out = sampler.generate(params, prompts, keys, max_new_tokens=NEW, return_trace=True)
+  plain = sampler.generate(params, prompts, keys, max_new_tokens=NEW)
+  np.testing.assert_array_equal(out.tokens, plain.tokens)
+  np.testing.assert_array_equal(out.canvas_passes, plain.canvas_passes)
+
+  variables = {"params": params}
+  prompt = jnp.asarray(np.pad(prompts, ((0, 0), (0, 3))), jnp.int32)  # the bucket of 8
+  cache = dg.KVCache.empty(TINY, B, 8 + NEW)
+  encode = jax.jit(lambda p, c: model.apply(variables, p, c, num_tokens=jnp.full((B,), 5), method=model.encode))
+  _, cache = encode(prompt, cache)
+  denoiser = lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
+  start, step_keys = sampler.start_canvas(keys, 0)
+  state = steps.init_state(CONFIG, start, jnp.zeros((B,), bool), TINY.vocab_size)
+  step = jax.jit(lambda s: steps.denoise_step(CONFIG, denoiser, s, step_keys))
+  i = 0
+  while bool(steps.should_continue(CONFIG, state)):
+    state = step(state)
+    np.testing.assert_array_equal(state.argmax, out.trace.argmax[0, i])
+    np.testing.assert_array_equal(state.canvas, out.trace.canvas[0, i])
+    np.testing.assert_array_equal(state.accepted, out.trace.accepted[0, i])
+    i += 1
+  np.testing.assert_array_equal(state.passes, out.canvas_passes[:, 0])
+  first = np.where(np.cumsum(np.isin(state.argmax, STOP), -1) - np.isin(state.argmax, STOP) > 0,
+                   TINY.pad_id, state.argmax)
+  np.testing.assert_array_equal(first, out.tokens[:, :TINY.canvas_length])
+  accepted = np.asarray(out.trace.accepted).sum(-1)  # [K, N, B]
+  assert (accepted[0, :i][np.asarray(out.canvas_passes[:, 0])[None] > np.arange(i)[:, None]] >= 1).all()
+
+
+def test_initial_canvas_is_used(params, sampler):
+  prompts, keys = _prompts(8), _keys(40, 41, 42)
+  canvas = np.random.default_rng(0).integers(0, TINY.vocab_size, (B, TINY.canvas_length))
+  a = sampler.generate(params, prompts, keys, max_new_tokens=NEW, initial_canvas=canvas)
+  b = sampler.generate(params, prompts, keys, max_new_tokens=NEW, initial_canvas=canvas)
+  c = sampler.generate(params, prompts, keys, max_new_tokens=NEW, initial_canvas=(canvas + 1) % 61)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert (np.asarray(a.tokens) != np.asarray(c.tokens)).any()
+
+
+# ------------------------------------------------------------------------------------------ AR
+def test_sample_token():
+  logits = jnp.array([1.0, 3.0, 2.9, -5.0])
+  keys = jax.random.split(jax.random.key(0), 200)
+  draw = jax.jit(jax.vmap(autoregressive.sample_token, in_axes=(0, None, None, None)))
+  assert (draw(keys, logits, jnp.float32(0.0), jnp.float32(1.0)) == 1).all()  # greedy
+  assert set(np.unique(draw(keys, logits, jnp.float32(1.0), jnp.float32(0.6)))) == {1, 2}  # .51 + .46
+  assert (draw(keys, logits, jnp.float32(1.0), jnp.float32(1e-3)) == 1).all()
+  assert len(np.unique(draw(keys, logits, jnp.float32(1.0), jnp.float32(1.0)))) >= 3
+
+
+def test_autoregressive_greedy_is_the_encoders_argmax(model, params, sampler):
+  prompts = _prompts(9)
+  out = sampler.autoregressive(params, prompts, jax.random.key(0), max_new_tokens=6)
+  tokens = np.asarray(out.tokens)
+  # Teacher forcing on prompt + output: causal, so the pad after a stop token changes nothing before it.
+  logits, _ = jax.jit(lambda s: model.apply({"params": params}, s, method=model.encode))(
+      jnp.asarray(np.concatenate([prompts, tokens], 1), jnp.int32))
+  greedy = np.argmax(logits[:, prompts.shape[1] - 1:-1], -1)
+  for row, t in enumerate(tokens):
+    stops = np.flatnonzero(np.isin(t, STOP))
+    n = stops[0] + 1 if stops.size else 6
+    assert (t[n:] == TINY.pad_id).all() and out.num_forward_passes[row] == n
+    np.testing.assert_array_equal(greedy[row, :n], t[:n])
+  sampled = sampler.autoregressive(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.9)
+  assert sampled.tokens.shape == (B, 6)
+
+
+# ------------------------------------------------------------------------------------------ slow
+@pytest.mark.slow
+@pytest.mark.parametrize("changes", [
+    dict(acceptance="confidence", confidence_accept=0.5),
+    dict(acceptance="count", tokens_per_step=3, stopping="fixed"),
+    dict(noise="masked"),
+])
+def test_other_rules_end_to_end(model, params, changes):
+  cfg = CONFIG.replace(**changes)
+  s = dg.Sampler(model, cfg)
+  out = s.generate(params, _prompts(10), _keys(1, 2, 3), max_new_tokens=8, return_trace=True)
+  accepted = np.asarray(out.trace.accepted)[0].sum(-1)  # [N, B]
+  passes = np.asarray(out.canvas_passes)[:, 0]
+  for b in range(B):
+    assert (accepted[:passes[b], b] >= 1).all()
+  if cfg.stopping == "fixed":
+    assert (passes == cfg.max_denoising_steps).all()
+  if cfg.acceptance == "count":
+    assert (accepted[:, 0] == 3).all()
+  if cfg.noise == "masked":
+    mask = TINY.vocab_size - 1
+    assert not (np.asarray(out.tokens) == mask).any()
+    # Accepted tokens stay: the number of unmasked positions never drops.
+    unmasked = (np.asarray(out.trace.canvas)[0] != mask).sum(-1)
+    assert (np.diff(unmasked[: passes.min()], axis=0) >= 1).all()
