@@ -1,5 +1,6 @@
 """The model's properties on tiny random configs, and the released config's size via eval_shape."""
 
+import functools
 import pathlib
 
 import flax.linen as nn
@@ -21,25 +22,42 @@ TINY = dg.ModelConfig(
     max_positions=256)
 
 
+def _random_params(config, seed=0):
+  """Random parameters of the model's shapes, drawn in numpy: compiling `init` costs ~20 s here."""
+  model = dg.DiffusionGemma(config)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 3), jnp.int32),
+                          jnp.zeros((1, config.canvas_length), jnp.int32))
+  rng = np.random.default_rng(seed)
+
+  def draw(x):
+    if x.ndim < 2:  # norm scales and per-layer scalars sit around one
+      return jnp.asarray(1 + 0.1 * rng.standard_normal(x.shape), x.dtype)
+    return jnp.asarray(rng.standard_normal(x.shape) / np.sqrt(x.shape[-2]), x.dtype)
+
+  return jax.tree.map(draw, nn.unbox(shapes)["params"])
+
+
 @pytest.fixture(scope="module")
 def params():
-  model = dg.DiffusionGemma(TINY)
-  tokens = jnp.zeros((1, 3), jnp.int32)
-  return nn.unbox(model.init(jax.random.key(0), tokens, jnp.zeros((1, 6), jnp.int32)))["params"]
+  return _random_params(TINY)
 
 
 def _tokens(seed, shape, vocab=TINY.vocab_size):
   return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
 
 
-def _encode(params, tokens, cache=None, config=TINY, **kw):
+# Jitted: op-by-op dispatch of a whole model costs seconds per call on 2 CPU cores.
+@functools.partial(jax.jit, static_argnames=("config",))
+def _encode(params, tokens, cache=None, config=TINY, num_tokens=None):
   model = dg.DiffusionGemma(config)
-  return model.apply({"params": params}, tokens, cache, method=model.encode, **kw)
+  return model.apply({"params": params}, tokens, cache, num_tokens=num_tokens, method=model.encode)
 
 
-def _denoise(params, canvas, cache, sc=None, config=TINY, **kw):
+@functools.partial(jax.jit, static_argnames=("config", "block_length"))
+def _denoise(params, canvas, cache, sc=None, config=TINY, self_conditioning_mask=None, block_length=None):
   model = dg.DiffusionGemma(config)
-  return model.apply({"params": params}, canvas, cache, sc, method=model.denoise, **kw)
+  return model.apply({"params": params}, canvas, cache, sc, self_conditioning_mask,
+                     block_length=block_length, method=model.denoise)
 
 
 def test_released_config_size():
@@ -132,8 +150,8 @@ def test_self_conditioning(params):
   with_sc = _denoise(params, canvas, cache, sc)
   masked = _denoise(params, canvas, cache, sc, self_conditioning_mask=jnp.asarray([True, False]))
   assert np.abs(with_sc - none).max() > 1e-3
-  np.testing.assert_allclose(masked[0], with_sc[0], atol=1e-6)
-  np.testing.assert_allclose(masked[1], none[1], atol=1e-6)
+  np.testing.assert_allclose(masked[0], with_sc[0], atol=2e-5)
+  np.testing.assert_allclose(masked[1], none[1], atol=2e-5)
   # zero logits are a uniform signal (the mean embedding), not "no signal"
   assert np.abs(_denoise(params, canvas, cache, jnp.zeros_like(sc)) - none).max() > 1e-3
 
@@ -155,8 +173,8 @@ def test_sparse_experts_equal_dense(impl, num_tokens, skew):
   weights, experts = _routing(num_tokens, num_tokens, skew)
   dense = moe.Experts(TINY.replace(moe_impl="dense"))
   variables = dense.init(jax.random.key(3), x, weights, experts)
-  want = dense.apply(variables, x, weights, experts)
-  got = moe.Experts(TINY.replace(moe_impl=impl)).apply(variables, x, weights, experts)
+  want = jax.jit(dense.apply)(variables, x, weights, experts)
+  got = jax.jit(moe.Experts(TINY.replace(moe_impl=impl)).apply)(variables, x, weights, experts)
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
@@ -167,24 +185,30 @@ def test_sparse_experts_gradients_equal_dense():
 
   def grads(impl):
     module = moe.Experts(TINY.replace(moe_impl=impl))
-    return jax.grad(lambda v, x: module.apply(v, x, weights, experts).sum(), argnums=(0, 1))(variables, x)
+    return jax.jit(jax.grad(lambda v, x: module.apply(v, x, weights, experts).sum(),
+                            argnums=(0, 1)))(variables, x)
 
   for got, want in zip(jax.tree.leaves(grads("grouped")), jax.tree.leaves(grads("dense"))):
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
-def test_remat_and_bfloat16(params):
+def test_remat_and_bfloat16():
+  config = TINY.replace(num_layers=2, layer_types=("sliding", "full"))
+  params = _random_params(config, seed=1)
   prompt, canvas = _tokens(12, (2, 5)), _tokens(13, (2, TINY.canvas_length))
 
-  def loss(p, config):
+  @functools.partial(jax.jit, static_argnames="config")
+  @functools.partial(jax.grad)
+  def grad(p, config):
     return dg.DiffusionGemma(config).apply({"params": p}, prompt, canvas).mean()
 
-  want = jax.grad(loss)(params, TINY)
-  got = jax.grad(loss)(params, TINY.replace(remat=True))
+  want = grad(params, config)
+  got = grad(params, config.replace(remat=True))
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, atol=1e-6)
-  bf16 = dg.DiffusionGemma(TINY.replace(dtype="bfloat16")).apply({"params": params}, prompt, canvas)
-  full = dg.DiffusionGemma(TINY).apply({"params": params}, prompt, canvas)
+  apply = jax.jit(lambda p, config: dg.DiffusionGemma(config).apply({"params": p}, prompt, canvas),
+                  static_argnames="config")
+  bf16, full = apply(params, config.replace(dtype="bfloat16")), apply(params, config)
   assert bf16.dtype == jnp.float32 and np.abs(bf16 - full).max() < 0.1
 
 
