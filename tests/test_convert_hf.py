@@ -89,3 +89,28 @@ def test_vision_tower_is_skipped_with_a_log_line(checkpoint, caplog):
   with caplog.at_level(logging.INFO):
     dg.convert.load_hf(path)
   assert any("vision" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("max_shard_bytes", [2**30, 20_000])  # one file; several shards with an index
+def test_save_hf_loads_in_transformers_with_equal_logits(checkpoint, tmp_path, max_shard_bytes):
+  path, _, config, params = checkpoint
+  dg.convert.save_hf(config, params, tmp_path, max_shard_bytes=max_shard_bytes, vision_from=path)
+  assert ((tmp_path / "model.safetensors.index.json").exists()) == (max_shard_bytes < 2**30)
+  exported = hf_reference.load_hf(tmp_path)
+  prompt = _tokens(1, (2, 7), config.vocab_size)
+  canvas = _tokens(2, (2, config.canvas_length), config.vocab_size)
+  encoder, decoder = _ours(params, jnp.asarray(prompt), jnp.asarray(canvas), None, None, config)
+  np.testing.assert_allclose(hf_reference.encoder_logits(exported, prompt), encoder, atol=ATOL)
+  np.testing.assert_allclose(hf_reference.decoder_logits(exported, prompt, canvas), decoder, atol=ATOL)
+  round_trip_config, round_trip = dg.convert.load_hf(tmp_path)
+  assert round_trip_config == config
+  jax.tree.map(np.testing.assert_array_equal, round_trip, params)
+
+
+def test_save_hf_without_vision_and_refuses_what_transformers_cannot_hold(checkpoint, tmp_path):
+  _, _, config, params = checkpoint
+  dg.convert.save_hf(config, params, tmp_path / "text_only", dtype="bfloat16")
+  exported = hf_reference.load_hf(tmp_path / "text_only")  # a placeholder vision tower, initialised
+  assert exported.model.decoder.embed_tokens.weight.shape == (config.vocab_size, config.hidden_size)
+  with pytest.raises(ValueError, match="final_logit_softcap=50.0"):
+    dg.convert.save_hf(config.replace(final_logit_softcap=50.0), params, tmp_path / "bad")

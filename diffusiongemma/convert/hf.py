@@ -10,15 +10,19 @@ shared weights we accept either prefix. The vision tower is not part of this tex
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from absl import logging
+import flax.linen as nn
+import jax
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 
@@ -230,3 +234,99 @@ def _stack_gating(tree: dict) -> None:
         tree[name] = np.stack([value["0"], value["1"]])
       else:
         _stack_gating(value)
+
+
+_HF_SOFTCAP = 30.0  # transformers' DiffusionGemmaForBlockDiffusion.final_logit_softcapping (not in config.json)
+# transformers always builds a Gemma 4 vision tower; with no original to copy, a minimal one is declared
+# (transformers initialises its weights at random; the text model does not read them).
+_PLACEHOLDER_VISION = dict(model_type="gemma4_vision", hidden_size=16, num_hidden_layers=1,
+                           intermediate_size=16, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
+                           position_embedding_size=32)
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+  """The transformers config.json (a dict) of `cfg`; inverse of `config_from_hf` on the text fields."""
+  for name, value, want in (("final_logit_softcap", cfg.final_logit_softcap, _HF_SOFTCAP),
+                            ("full_k_eq_v", cfg.full_k_eq_v, True)):
+    if value != want:
+      raise ValueError(f"transformers' DiffusionGemma fixes {name}={want!r}; this model has "
+                       f"{name}={value!r} and cannot be exported faithfully.")
+  names = {v: k for k, v in _LAYER_TYPES.items()}
+  full = {"head_dim": cfg.full_head_dim, "num_key_value_heads": cfg.num_full_kv_heads}
+  text = dict(
+      model_type="diffusion_gemma_text", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      num_hidden_layers=cfg.num_layers, layer_types=[names[t] for t in cfg.layer_types],
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+      per_layer_config={str(i): dict(full) for i, t in enumerate(cfg.layer_types) if t == FULL},
+      sliding_window=cfg.sliding_window,
+      rope_parameters={
+          "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+          "full_attention": {"rope_type": "proportional", "rope_theta": cfg.full_rope_theta,
+                             "partial_rotary_factor": cfg.full_partial_rotary_factor}},
+      intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts, top_k_experts=cfg.top_k,
+      moe_intermediate_size=cfg.moe_intermediate_size, max_position_embeddings=cfg.max_positions,
+      rms_norm_eps=cfg.rms_norm_eps, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+      pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id, bos_token_id=cfg.bos_id)
+  return dict(architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma",
+              canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
+              vision_config=dict(_PLACEHOLDER_VISION))
+
+
+def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | None = None,
+            max_shard_bytes: int = 5 * 2**30, vision_from: os.PathLike | str | None = None) -> None:
+  """Writes `(cfg, params)` as a transformers DiffusionGemma checkpoint folder (`from_pretrained` loads it).
+
+  Tensors are fetched to the host one at a time and written in safetensors shards of at most
+  `max_shard_bytes` (plus `model.safetensors.index.json` when there are several), so at most one shard
+  is ever held in host memory. `dtype` casts on the way (default: each parameter's own). The text model is
+  exported; `vision_from`, an original checkpoint folder, copies its vision tower and vision config.
+  """
+  params = nn.unbox(params)
+  params = params.get("params", params) if set(params) == {"params"} else params
+  path = pathlib.Path(path)
+  path.mkdir(parents=True, exist_ok=True)
+  hf_config = config_to_hf(cfg)
+  tensors = ((entry.keys[0], entry.to_hf(_get(params, entry.path))) for entry in _layout(cfg))
+  if vision_from is not None:
+    vision_from = pathlib.Path(vision_from)
+    hf_config["vision_config"] = json.loads((vision_from / "config.json").read_text())["vision_config"]
+    source = _Checkpoint(vision_from)
+    vision = ((k, source.get(k)) for k in sorted(source.weight_map)
+              if k.startswith(_SKIPPED_PREFIXES[:2]))
+    tensors = itertools.chain(tensors, vision)
+
+  shard_keys, shard, total_bytes = [], {}, 0  # keys of the shards written so far; the one being filled
+
+  def flush():
+    save_file(shard, str(path / f".shard-{len(shard_keys)}.tmp"), metadata={"format": "pt"})
+    shard_keys.append(list(shard))
+    shard.clear()
+
+  for key, value in tensors:
+    value = np.ascontiguousarray(value if dtype is None else value.astype(dtype))
+    if shard and sum(v.nbytes for v in shard.values()) + value.nbytes > max_shard_bytes:
+      flush()
+    shard[key] = value
+    total_bytes += value.nbytes
+  flush()
+  names = [_shard_name(i, len(shard_keys)) for i in range(len(shard_keys))]
+  for i, name in enumerate(names):
+    os.replace(path / f".shard-{i}.tmp", path / name)
+  if len(names) > 1:
+    index = {"metadata": {"total_size": total_bytes},
+             "weight_map": {k: name for keys, name in zip(shard_keys, names) for k in keys}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+  (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+
+def _shard_name(i: int, count: int) -> str:
+  return "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+
+
+def _get(tree, path: tuple[str, ...]) -> np.ndarray:
+  """A parameter on the host; path (..., 'gating_einsum', '0') is the gate half of a stacked GeGLU."""
+  for name in path:
+    if name in ("0", "1") and not isinstance(tree, Mapping):
+      return np.asarray(jax.device_get(tree[int(name)]))
+    tree = tree[name]
+  return np.asarray(jax.device_get(tree))
