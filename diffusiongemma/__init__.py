@@ -4,9 +4,13 @@ from diffusiongemma import convert, data
 from diffusiongemma import model
 from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
 from diffusiongemma import sampling
+from diffusiongemma import diffusion
+from diffusiongemma import training
 from diffusiongemma.sampling import Sampler, SamplerConfig
 
 __all__ = [
     "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "convert", "data", "model",
     "sampling",
+    "diffusion",
+    "training",
 ]

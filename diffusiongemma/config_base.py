@@ -28,21 +28,27 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.diffusion.self_conditioning_prob = 0.5
   config.diffusion.ar_loss_weight = 1.0
   config.diffusion.all_canvases = False  # train every canvas in one block-causal pass (BD3-LM style)
+  config.diffusion.mask_token_id = -1  # masked noise: -1 means model.vocab_size - 1
 
   config.train = ml_collections.ConfigDict()
   config.train.num_steps = 1000
-  config.train.batch_size = 16
-  config.train.learning_rate = 3e-3
+  config.train.batch_size = 16  # global: split over every device
+  config.train.learning_rate = 3e-3  # peak, after linear warmup; cosine decay to the end
   config.train.warmup_steps = 50
-  config.train.weight_decay = 0.01
-  config.train.grad_clip = 1.0
-  config.train.compute_dtype = "float32"  # or 'bfloat16'
-  config.train.nan_policy = "error"  # 'error' | 'skip'
+  config.train.final_learning_rate_ratio = 0.1  # the cosine ends at learning_rate * this
+  config.train.adam_b1 = 0.9
+  config.train.adam_b2 = 0.95
+  config.train.weight_decay = 0.01  # decoupled (AdamW), matrices and embeddings only
+  config.train.grad_clip = 1.0  # global norm; 0 disables
+  config.train.compute_dtype = "float32"  # or 'bfloat16' (parameters and optimizer stay float32)
+  config.train.nan_policy = "error"  # 'error' (stop, naming step and metric) | 'skip' (drop update)
   config.train.log_every = 10
-  config.train.eval_every = 200
+  config.train.eval_every = 200  # also at step 0 of a fresh run; 0 disables
   config.train.eval_batches = 8
   config.train.checkpoint_every = 200
   config.train.keep_checkpoints = 3
+  config.train.async_checkpointing = True
+  config.train.time_budget_s = 0.0  # stop (and save) after this many seconds of this run; 0: none
   config.train.seed = 0
 
   config.sampler = ml_collections.ConfigDict()

@@ -1,0 +1,149 @@
+"""The block-diffusion training objective of DiffusionGemma, with self-conditioning and the AR term.
+
+Each example is a clean sequence `tokens` [B, L]: a prompt of `prompt_length` tokens, then n canvases
+of C tokens. The encoder runs causally over the whole clean sequence once; because causal keys depend
+only on earlier tokens, `cache.with_length(start)` is exactly the clean cache of everything before
+`start`. Then:
+
+- one canvas per example (default, as the released model trains): canvas j ~ U{0..n-1}, corrupted at
+  t ~ U(eps, 1 - eps), denoised attending to the clean prompt and the clean earlier canvases only;
+- `all_canvases=True`: every canvas, each with its own t, in one block-causal denoiser pass (block i
+  sees the cache up to its own start and itself), the loss averaged over canvases. With the same noise
+  draws this equals the mean of the one-canvas losses (tested).
+
+The diffusion loss of a canvas is the mean over its C positions of weight x cross-entropy, the weights
+coming from the noise process (uniform: 1 everywhere; masked: 1/t on masked positions, the ELBO).
+Gradients flow into the encoder through the cache as well as through the denoiser (one set of weights).
+
+Self-conditioning (with probability p per example): pass 1 denoises with no signal; its raw logits,
+with the gradient stopped, feed pass 2 as the self-conditioning signal. Rows not chosen get a **zero
+signal** (transformers' `self_conditioning_mask`), which is exactly what the sampler's first step
+sees; Google's code feeds them uniform logits instead. The loss is taken on pass 2 only. With p = 0
+pass 1 is skipped.
+
+Total loss = diffusion loss + `ar_loss_weight` x the encoder's next-token cross-entropy on the clean
+sequence (every position, padding included, as the released model supervises its EOS padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diffusiongemma.diffusion import noise as noise_lib
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+  """`config.diffusion` as a frozen, hashable value (usable as a static jit argument)."""
+
+  noise: str = "uniform"
+  eps: float = 1e-4
+  self_conditioning_prob: float = 0.5
+  ar_loss_weight: float = 1.0
+  all_canvases: bool = False
+  mask_token_id: int = -1  # masked noise only; -1: the last id of the model vocabulary
+
+  def __post_init__(self):
+    if self.noise not in noise_lib.NOISES:
+      raise ValueError(f"Unknown noise {self.noise!r} (config.diffusion.noise); expected one of "
+                       f"{noise_lib.NOISES}.")
+    if not 0.0 <= self.eps < 0.5:
+      raise ValueError(f"config.diffusion.eps must be in [0, 0.5), got {self.eps}.")
+    if not 0.0 <= self.self_conditioning_prob <= 1.0:
+      raise ValueError("config.diffusion.self_conditioning_prob must be in [0, 1], got "
+                       f"{self.self_conditioning_prob}.")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "LossConfig":
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+      raise ValueError(f"Unknown config.diffusion fields {unknown}; known: {sorted(names)}.")
+    return cls(**dict(values))
+
+  def replace(self, **changes) -> "LossConfig":
+    return dataclasses.replace(self, **changes)
+
+
+def _cross_entropy(logits: Array, labels: Array) -> Array:
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+
+
+def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config: LossConfig, *,
+                   num_canvases: int, canvas_index: Array | None = None) -> tuple[Array, dict]:
+  """(total loss, metrics) of one batch `{'tokens': [B, L], 'prompt_length': [B]}`.
+
+  Args:
+    model: a `DiffusionGemma`.
+    params: its variables (`{'params': ...}`), boxed or not.
+    batch: clean sequences; each row's canvases start at its `prompt_length`.
+    rng: all randomness of the loss (t, corruption, canvas choice, self-conditioning rows).
+    config: the objective.
+    num_canvases: n, canvases per row after the prompt (static).
+    canvas_index: [B] forces the canvas of each row (one-canvas mode only; tests).
+  """
+  tokens = batch["tokens"]
+  start = batch["prompt_length"].astype(jnp.int32)  # [B]
+  b = tokens.shape[0]
+  c = model.config.canvas_length
+  n = num_canvases
+  noise = noise_lib.make_noise(config.noise, model.config.vocab_size, config.mask_token_id)
+  k_t, k_noise, k_canvas, k_sc = jax.random.split(rng, 4)
+
+  offsets = start[:, None] + jnp.arange(n * c, dtype=jnp.int32)[None]  # [B, nC]
+  clean = jnp.take_along_axis(tokens, offsets, axis=1).reshape(b, n, c)  # [B, n, C]
+  t = noise_lib.sample_time(k_t, (b, n), config.eps)  # [B, n]
+  noisy, corrupted = noise.corrupt(k_noise, clean, t[..., None])  # [B, n, C]
+  weights = noise.loss_weights(corrupted, t[..., None])  # [B, n, C]
+
+  enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
+  ar_loss = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:]).mean()
+
+  if config.all_canvases:
+    canvas = noisy.reshape(b, n * c)
+    cache = cache.with_length(start)
+    block_length = c
+  else:
+    if canvas_index is None:
+      canvas_index = jax.random.randint(k_canvas, (b,), 0, n)
+    pick = lambda x: jnp.take_along_axis(x, canvas_index[:, None, None], axis=1)  # [B, 1, C]
+    clean, noisy, corrupted, weights = map(pick, (clean, noisy, corrupted, weights))
+    canvas = noisy[:, 0]
+    cache = cache.with_length(start + canvas_index.astype(jnp.int32) * c)
+    block_length = None
+
+  def denoise(sc_logits, sc_mask):
+    return model.apply(params, canvas, cache, sc_logits, sc_mask, block_length=block_length,
+                       method=model.denoise)  # [B, k*C, V]
+
+  sc_prob = config.self_conditioning_prob
+  if sc_prob > 0:
+    sc_mask = jax.random.uniform(k_sc, (b,)) < sc_prob
+    first = jax.lax.stop_gradient(denoise(None, None))
+    logits = denoise(first, sc_mask)
+  else:
+    logits = denoise(None, None)
+  logits = noise.prepare_logits(logits).reshape(*clean.shape, -1)  # [B, k, C, V]
+  ce = _cross_entropy(logits, clean)  # [B, k, C]
+  loss_diffusion = (weights * ce).mean()
+  loss = loss_diffusion + config.ar_loss_weight * ar_loss
+
+  correct = (jnp.argmax(logits, -1) == clean).astype(jnp.float32)
+  corrupted = corrupted.astype(jnp.float32)
+  metrics = {
+      "loss": loss,
+      "diffusion_loss": loss_diffusion,
+      "diffusion_ce": ce.mean(),
+      "ar_loss": ar_loss,
+      "corrupted_accuracy": (correct * corrupted).sum() / jnp.maximum(corrupted.sum(), 1.0),
+      "corrupted_fraction": corrupted.mean(),
+  }
+  return loss, metrics

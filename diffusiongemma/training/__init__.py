@@ -1,0 +1,37 @@
+"""Training: train state, optimizer, jitted steps, the loop, orbax checkpoints, metrics, evaluation."""
+
+from diffusiongemma.training.checkpoint import Checkpointer
+from diffusiongemma.training.checkpoint import config_mismatches
+from diffusiongemma.training.checkpoint import ConfigMismatchError
+from diffusiongemma.training.evaluation import evaluate_params
+from diffusiongemma.training.loop import evaluate
+from diffusiongemma.training.loop import train
+from diffusiongemma.training.metrics import read_metrics
+from diffusiongemma.training.optim import learning_rate_schedule
+from diffusiongemma.training.optim import make_optimizer
+from diffusiongemma.training.state import abstract_train_state
+from diffusiongemma.training.state import create_train_state
+from diffusiongemma.training.state import TrainState
+from diffusiongemma.training.step import check_finite
+from diffusiongemma.training.step import make_eval_step
+from diffusiongemma.training.step import make_train_step
+from diffusiongemma.training.step import NonFiniteError
+
+__all__ = [
+    "Checkpointer",
+    "ConfigMismatchError",
+    "NonFiniteError",
+    "TrainState",
+    "abstract_train_state",
+    "check_finite",
+    "config_mismatches",
+    "create_train_state",
+    "evaluate",
+    "evaluate_params",
+    "learning_rate_schedule",
+    "make_eval_step",
+    "make_optimizer",
+    "make_train_step",
+    "read_metrics",
+    "train",
+]

@@ -1,0 +1,115 @@
+"""Checkpoints with orbax: the train state, the data-iterator state and the config, per step.
+
+`workdir/checkpoints/<step>/` holds three items: `state` (params, optimizer state, step, rng; exact
+dtypes), `data` (the grain iterator state, JSON) and `meta` (the config that wrote it and the partial
+window of logged metrics, JSON). Saves are asynchronous and atomic (orbax writes a temporary directory
+and renames it), so a process killed at any moment leaves the previous checkpoints intact.
+
+A checkpoint is only resumed by a config that agrees with the one that wrote it on everything that
+changes what is being trained (`config_mismatches`): the model, the data layout and tokenizer, the
+objective and the optimisation. Operational settings (how many steps, how often to log, evaluate or
+save) may change between runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+CHECKPOINT_DIRNAME = "checkpoints"
+CONFIG_FILENAME = "config.json"
+# config.train fields that may differ between a checkpoint and the run resuming it.
+OPERATIONAL_TRAIN_FIELDS = ("num_steps", "log_every", "eval_every", "eval_batches",
+                            "checkpoint_every", "keep_checkpoints", "async_checkpointing",
+                            "time_budget_s", "nan_policy")
+CHECKED_SECTIONS = ("model", "data", "diffusion", "train")
+
+
+class ConfigMismatchError(ValueError):
+  """The config differs from the one that wrote the checkpoint in the workdir."""
+
+
+def config_to_json(config) -> dict[str, Any]:
+  """A ConfigDict (or mapping) as plain JSON values (tuples become lists)."""
+  if hasattr(config, "to_json"):
+    return json.loads(config.to_json())
+  return json.loads(json.dumps(dict(config)))
+
+
+def config_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+  """'section.field: checkpoint X, config Y' for every field that must match and does not."""
+  out = []
+  for section in CHECKED_SECTIONS:
+    a, b = dict(saved.get(section, {})), dict(current.get(section, {}))
+    for key in sorted(set(a) | set(b)):
+      if section == "train" and key in OPERATIONAL_TRAIN_FIELDS:
+        continue
+      missing = "<missing>"
+      if a.get(key, missing) != b.get(key, missing):
+        out.append(f"{section}.{key}: checkpoint {a.get(key, missing)!r}, config {b.get(key, missing)!r}")
+  return out
+
+
+class Checkpointer:
+  """An orbax `CheckpointManager` over `workdir/checkpoints` with the three items above."""
+
+  def __init__(self, workdir: os.PathLike | str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    self.manager = ocp.CheckpointManager(self.directory, options=options,
+                                         item_names=("state", "data", "meta"))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def save(self, step: int, state, data_state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+    """Starts an asynchronous save of `step` (forced: the caller decides when to save)."""
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state.to_dict() if hasattr(state, "to_dict") else state),
+        data=ocp.args.JsonSave(dict(data_state)),
+        meta=ocp.args.JsonSave(dict(meta))), force=True)
+
+  def restore_meta(self, step: int) -> dict[str, Any]:
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def restore(self, step: int, abstract_state: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    """(state dict, data-iterator state, meta) of `step`, the state laid out as `abstract_state`
+    (a tree of `jax.ShapeDtypeStruct`, with shardings)."""
+    restored = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+        meta=ocp.args.JsonRestore()))
+    return restored["state"], restored["data"], restored["meta"]
+
+  def check_config(self, current: Mapping[str, Any]) -> int | None:
+    """The latest step, after checking that its config agrees with `current` (JSON form)."""
+    step = self.latest_step()
+    if step is None:
+      return None
+    saved = self.restore_meta(step)["config"]
+    problems = config_mismatches(saved, current)
+    if problems:
+      raise ConfigMismatchError(
+          f"The checkpoint at step {step} in {self.directory} was written by another config; "
+          "mismatched fields:\n  " + "\n  ".join(problems) +
+          "\nUse a new --workdir, or the config that wrote the checkpoint.")
+    return step
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def abstract_with_sharding(tree, sharding: jax.sharding.Sharding):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)

@@ -1,0 +1,135 @@
+"""From a config to the objects training and evaluation need: configs, tokenizer, datasets, shardings.
+
+Everything is validated here, before anything is written to the workdir, so that a bad config fails
+with a message naming the field and loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from diffusiongemma import data as data_lib
+from diffusiongemma.diffusion import loss as loss_lib
+from diffusiongemma.diffusion import noise as noise_lib
+from diffusiongemma.model import ModelConfig
+from diffusiongemma.training import step as step_lib
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+CACHE_DIRNAME = "data_cache"
+
+
+def model_config(config) -> ModelConfig:
+  """`config.model` with the compute dtype of `config.train` (parameters stay in param_dtype)."""
+  cfg = ModelConfig.from_dict(config.model)
+  dtype = config.train.compute_dtype
+  if dtype not in COMPUTE_DTYPES:
+    raise ValueError(f"Unknown config.train.compute_dtype {dtype!r}; expected one of {COMPUTE_DTYPES}.")
+  return cfg.replace(dtype=dtype)
+
+
+def loss_config(config, model_cfg: ModelConfig) -> loss_lib.LossConfig:
+  """`config.diffusion` as a `LossConfig`, with its noise checked against the model vocabulary."""
+  cfg = loss_lib.LossConfig.from_dict(config.diffusion)
+  noise_lib.make_noise(cfg.noise, model_cfg.vocab_size, cfg.mask_token_id)
+  return cfg
+
+
+def validate(config) -> tuple[ModelConfig, loss_lib.LossConfig]:
+  """Checks every section training reads; returns the model and loss configs."""
+  model_cfg = model_config(config)
+  loss_cfg = loss_config(config, model_cfg)
+  train = config.train
+  if train.nan_policy not in step_lib.NAN_POLICIES:
+    raise ValueError(f"Unknown config.train.nan_policy {train.nan_policy!r}; expected one of "
+                     f"{step_lib.NAN_POLICIES}.")
+  for name in ("batch_size", "log_every", "checkpoint_every", "keep_checkpoints"):
+    if train[name] < 1:
+      raise ValueError(f"config.train.{name} must be >= 1, got {train[name]}.")
+  for name in ("num_steps", "warmup_steps", "eval_every", "eval_batches"):
+    if train[name] < 0:
+      raise ValueError(f"config.train.{name} must be >= 0, got {train[name]}.")
+  devices = jax.device_count()
+  if train.batch_size % devices:
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the "
+                     f"{devices} devices; use a multiple of {devices}.")
+  for name in ("prompt_length", "num_canvases"):
+    if config.data[name] < 1:
+      raise ValueError(f"config.data.{name} must be >= 1, got {config.data[name]}.")
+  length = config.data.prompt_length + config.data.num_canvases * model_cfg.canvas_length
+  if length > model_cfg.max_positions:
+    raise ValueError(f"A sequence of prompt_length + num_canvases * canvas_length = {length} tokens "
+                     f"exceeds model.max_positions={model_cfg.max_positions}.")
+  return model_cfg, loss_cfg
+
+
+def _mask_token(model_cfg: ModelConfig, loss_cfg: loss_lib.LossConfig) -> int | None:
+  noise = noise_lib.make_noise(loss_cfg.noise, model_cfg.vocab_size, loss_cfg.mask_token_id)
+  return noise.mask_token_id
+
+
+def get_tokenizer(config, workdir, model_cfg: ModelConfig,
+                  loss_cfg: loss_lib.LossConfig) -> data_lib.Tokenizer:
+  """The configured tokenizer, or `workdir/tokenizer.model` (trained on the train split if missing).
+
+  With masked noise the mask token must be outside the tokenizer: a tokenizer trained here gets at
+  most `mask_token_id` pieces.
+  """
+  mask = _mask_token(model_cfg, loss_cfg)
+  vocab_size = int(config.data.vocab_size)
+  if mask is not None and not config.data.tokenizer_path:
+    vocab_size = min(vocab_size, mask)
+  tokenizer = data_lib.get_tokenizer(
+      workdir, config.data.tokenizer_path or None,
+      corpus_texts_fn=lambda: load_split(config, "train"), vocab_size=vocab_size)
+  if tokenizer.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces, more than "
+                     f"model.vocab_size={model_cfg.vocab_size}.")
+  if mask is not None and mask < tokenizer.vocab_size:
+    raise ValueError(f"The mask token {mask} of masked noise is a piece of the tokenizer "
+                     f"({tokenizer.vocab_size} pieces): set config.diffusion.mask_token_id to an id "
+                     f">= {tokenizer.vocab_size} below model.vocab_size, or use a smaller tokenizer.")
+  return tokenizer
+
+
+def load_split(config, split: str) -> list[str]:
+  return data_lib.load_corpus(config.data.corpus, split, text_field=config.data.text_field,
+                              validation_fraction=config.data.validation_fraction)
+
+
+def make_dataset(config, workdir, tokenizer, model_cfg: ModelConfig, split: str):
+  """The grain dataset of this process's shard of `split` (train: shuffled and repeated)."""
+  processes = jax.process_count()
+  return data_lib.make_dataset(
+      load_split(config, split), tokenizer, prompt_length=config.data.prompt_length,
+      canvas_length=model_cfg.canvas_length, num_canvases=config.data.num_canvases,
+      batch_size=config.train.batch_size // processes, seed=config.train.seed,
+      train=split == "train", shard_index=jax.process_index(), shard_count=processes,
+      cache_dir=pathlib.Path(workdir) / CACHE_DIRNAME)
+
+
+def make_mesh() -> jax.sharding.Mesh:
+  """A 1-D data-parallel mesh over every device (parameters replicated)."""
+  return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def shardings(mesh) -> tuple[NamedSharding, NamedSharding]:
+  """(replicated, batch-sharded) shardings."""
+  return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+
+
+def to_global(batch, batch_sharding: NamedSharding):
+  """A process-local numpy batch as global jax arrays sharded over the data axis."""
+  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def workdir_path(workdir: os.PathLike | str) -> pathlib.Path:
+  path = pathlib.Path(workdir)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"--workdir {str(path)!r} exists and is not a directory.")
+  return path

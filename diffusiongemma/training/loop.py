@@ -1,0 +1,262 @@
+"""`train(config, workdir)` and `evaluate(config, workdir)`: the library behind scripts/train.py and
+scripts/evaluate.py.
+
+Training resumes from the latest checkpoint in `workdir/checkpoints` (after checking the config
+against the one that wrote it), restoring the parameters, optimizer state, step, rng, the data
+iterator's position and the partial window of logged metrics, and dropping metric records of steps
+after that checkpoint. The randomness of step s is `fold_in(rng, s)` and the data of step s is the
+s-th batch of the seeded pipeline, so an interrupted run ends bit-identical to an uninterrupted one.
+SIGTERM (preemption) saves a checkpoint after the current step and returns cleanly.
+
+Order of work per step: one batch, one jitted update, the NaN/Inf guard, then (at their intervals)
+the log line, evaluation and the checkpoint; metrics are flushed before a checkpoint is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+
+from absl import logging
+import jax
+
+from diffusiongemma.model import DiffusionGemma
+from diffusiongemma.training import checkpoint as ckpt_lib
+from diffusiongemma.training import evaluation
+from diffusiongemma.training import inputs
+from diffusiongemma.training import metrics as metrics_lib
+from diffusiongemma.training import optim
+from diffusiongemma.training import state as state_lib
+from diffusiongemma.training import step as step_lib
+from diffusiongemma.training.state import TrainState
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag the loop checks after each step (main thread only)."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
+  path = workdir / ckpt_lib.CONFIG_FILENAME
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(config_json, indent=2, sort_keys=True), encoding="utf-8")
+  os.replace(tmp, path)
+
+
+@functools.lru_cache(maxsize=4)
+def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh):
+  """Model, optimizer, schedule, abstract state and jitted steps, cached so that a process calling
+  `train` or `evaluate` again with the same configs (resuming, notebooks, tests) compiles once."""
+  model = DiffusionGemma(model_cfg)
+  train = dict(optimizer_items)
+  optimizer = optim.make_optimizer(train)
+  schedule = optim.learning_rate_schedule(train)
+  replicated, batch_sharding = inputs.shardings(mesh)
+  abstract_state = state_lib.abstract_train_state(model, optimizer, seed=seed)
+  init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=replicated)
+  train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
+                                        schedule=schedule, state_sharding=replicated,
+                                        batch_sharding=batch_sharding)
+  eval_step = step_lib.make_eval_step(model, evaluation.eval_loss_config(loss_cfg),
+                                      num_canvases=num_canvases)
+  return model, optimizer, schedule, abstract_state, init_fn, train_step, eval_step
+
+
+class _Setup:
+  """What both train and evaluate build from a config: validated configs, model, data, shardings."""
+
+  def __init__(self, config, workdir):
+    self.workdir = inputs.workdir_path(workdir)
+    self.config_json = ckpt_lib.config_to_json(config)
+    self.model_cfg, self.loss_cfg = inputs.validate(config)
+    self.num_canvases = config.data.num_canvases
+    self.mesh = inputs.make_mesh()
+    self.replicated, self.batch_sharding = inputs.shardings(self.mesh)
+    optimizer_items = tuple((k, config.train[k]) for k in optim.OPTIMIZER_FIELDS)
+    (self.model, self.optimizer, self.schedule, self.abstract_state, self.init_fn, self.train_step,
+     self.eval_step) = _programs(self.model_cfg, self.loss_cfg, optimizer_items, self.num_canvases,
+                                 config.train.seed, self.mesh)
+
+  def restore(self, checkpointer: ckpt_lib.Checkpointer, step: int):
+    abstract = ckpt_lib.abstract_with_sharding(self.abstract_state.to_dict(), self.replicated)
+    state, data_state, meta = checkpointer.restore(step, abstract)
+    return TrainState(**state), data_state, meta
+
+  def evaluate(self, config, params, val_dataset) -> dict:
+    return evaluation.evaluate_params(
+        self.eval_step, params, iter(val_dataset), num_batches=config.train.eval_batches,
+        noise=self.loss_cfg.noise, to_global=lambda b: inputs.to_global(b, self.batch_sharding))
+
+
+def train(config, workdir) -> TrainState:
+  """Trains (or resumes training) for `config.train.num_steps` steps; returns the final state.
+
+  Returns early, after saving, on SIGTERM or when `config.train.time_budget_s` is spent. Raises
+  `NonFiniteError` (with `nan_policy='error'`) naming the step and metric of a NaN/Inf, and
+  `ConfigMismatchError` if the workdir holds a checkpoint of another config.
+  """
+  tc = config.train
+  setup = _Setup(config, workdir)
+  workdir = setup.workdir
+  workdir.mkdir(parents=True, exist_ok=True)
+  checkpointer = ckpt_lib.Checkpointer(workdir, max_to_keep=tc.keep_checkpoints,
+                                       async_save=tc.async_checkpointing)
+  try:
+    start_step = checkpointer.check_config(setup.config_json)
+    tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg)
+    train_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "train")
+    val_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "validation")
+    train_iter = iter(train_ds)
+    accumulator = metrics_lib.MeanAccumulator()
+    elapsed = {"train_s": 0.0, "cpu_s": 0.0}
+    if start_step is None:
+      state = setup.init_fn()
+      metrics_lib.truncate_metrics(workdir, -1)
+    else:
+      state, data_state, meta = setup.restore(checkpointer, start_step)
+      train_iter.set_state(data_state)
+      accumulator = metrics_lib.MeanAccumulator(meta.get("metric_window"))
+      elapsed.update(meta.get("elapsed", {}))
+      metrics_lib.truncate_metrics(workdir, start_step)
+      logging.info("Resumed from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
+    _write_config(workdir, setup.config_json)
+    return _loop(config, setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
+                 fresh=start_step is None)
+  finally:
+    checkpointer.wait()
+    checkpointer.close()
+
+
+def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed, *,
+          fresh: bool) -> TrainState:
+  tc = config.train
+  train_step = setup.train_step
+  step = int(state.step)
+  length = config.data.prompt_length + config.data.num_canvases * setup.model_cfg.canvas_length
+  progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * length, step)
+  writer = metrics_lib.create_writer(setup.workdir)
+  process_start, cpu_start = time.perf_counter(), time.process_time()
+  excluded = 0.0  # seconds of evaluation and checkpointing in this process
+
+  def run_seconds():
+    return time.perf_counter() - process_start - excluded
+
+  def timings():
+    return {"train_s": elapsed["train_s"] + run_seconds(),
+            "cpu_s": elapsed["cpu_s"] + time.process_time() - cpu_start}
+
+  def run_eval():
+    nonlocal excluded
+    began = time.perf_counter()
+    results = setup.evaluate(config, state.params, val_ds)
+    writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()} |
+                         {f"time/{k}": v for k, v in timings().items()})
+    logging.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
+    excluded += time.perf_counter() - began
+    progress.resume(began)
+
+  def save():
+    nonlocal excluded
+    began = time.perf_counter()
+    writer.flush()
+    meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": timings()}
+    checkpointer.save(step, state, train_iter.get_state(), meta)
+    excluded += time.perf_counter() - began
+    progress.resume(began)
+
+  try:
+    with _Preemption() as preemption:
+      if fresh and tc.eval_every:
+        run_eval()
+      if step >= tc.num_steps and checkpointer.latest_step() != step:
+        save()
+      while step < tc.num_steps:
+        batch = inputs.to_global(next(train_iter), setup.batch_sharding)
+        state, metrics = train_step(state, batch)
+        step += 1
+        metrics = jax.device_get(metrics)
+        if not step_lib.check_finite(metrics, step, tc.nan_policy):
+          logging.warning("Skipped the update of step %d: non-finite metrics.", step)
+        accumulator.add(metrics)
+        last = step == tc.num_steps
+        if step % tc.log_every == 0 or last:
+          means = accumulator.means()
+          means["skipped"] = round((1.0 - means.pop("finite", 1.0)) * accumulator.count)
+          accumulator.reset()
+          writer.write_scalars(step, {f"train/{k}": v for k, v in means.items()} |
+                               {f"time/{k}": v for k, v in timings().items()})
+          logging.info("%s", progress.line(step, means))
+        if tc.eval_every and (step % tc.eval_every == 0 or last):
+          run_eval()
+        out_of_time = 0 < tc.time_budget_s <= run_seconds()
+        if step % tc.checkpoint_every == 0 or last or preemption.requested or out_of_time:
+          save()
+        if preemption.requested:
+          logging.warning("SIGTERM: saved the checkpoint of step %d; exiting.", step)
+          break
+        if out_of_time:
+          logging.info("Time budget of %.0f s spent at step %d; saved and stopping.",
+                       tc.time_budget_s, step)
+          break
+  finally:
+    writer.close()
+  return state
+
+
+def evaluate(config, workdir, *, step: int | None = None, num_batches: int | None = None) -> dict:
+  """Evaluates the checkpoint at `step` (default: the latest) in `workdir` on the validation split.
+
+  Returns the metrics of `evaluate_params` plus `step`, and writes them to `workdir/eval.json` and
+  as `eval/...` records to `workdir/metrics.jsonl`.
+  """
+  setup = _Setup(config, workdir)
+  workdir = setup.workdir
+  if not (workdir / ckpt_lib.CHECKPOINT_DIRNAME).is_dir():
+    raise FileNotFoundError(f"No checkpoints in {str(workdir)!r}: train first (scripts/train.py).")
+  checkpointer = ckpt_lib.Checkpointer(workdir, async_save=False)
+  try:
+    latest = checkpointer.check_config(setup.config_json)
+    if latest is None:
+      raise FileNotFoundError(f"No checkpoints in {str(checkpointer.directory)!r}: train first.")
+    step = latest if step is None else step
+    if step not in checkpointer.all_steps():
+      raise ValueError(f"No checkpoint at step {step}; available: {checkpointer.all_steps()}.")
+    state, _, _ = setup.restore(checkpointer, step)
+  finally:
+    checkpointer.close()
+  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg)
+  val_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "validation")
+  if num_batches is not None:
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      config.train.eval_batches = num_batches
+  results = setup.evaluate(config, state.params, val_ds)
+  results = {"step": step, **results}
+  (workdir / "eval.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+  writer = metrics_lib.JsonlWriter(workdir / metrics_lib.METRICS_FILENAME)
+  writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items() if k != "step"})
+  writer.close()
+  logging.info("evaluation of step %d: %s", step,
+               ", ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "step"))
+  return results

@@ -1,0 +1,179 @@
+"""Metric writers: JSONL (`workdir/metrics.jsonl`), TensorBoard event files, and a progress line.
+
+The writers follow clu's `MetricWriter` interface (`write_scalars(step, scalars)`, `flush`, `close`)
+without importing clu, whose `metric_writers` package needs TensorFlow at import time. TensorBoard
+files are written with tensorboardX when it is installed (a warning otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+
+from absl import logging
+
+METRICS_FILENAME = "metrics.jsonl"
+
+
+class JsonlWriter:
+  """Appends one JSON object per `write_scalars` call: {"step": s, **scalars}."""
+
+  def __init__(self, path: os.PathLike | str):
+    self.path = pathlib.Path(path)
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    self._file = open(self.path, "a", encoding="utf-8")
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    record = {"step": int(step), **{k: _jsonable(v) for k, v in scalars.items()}}
+    self._file.write(json.dumps(record) + "\n")
+
+  def flush(self) -> None:
+    self._file.flush()
+    os.fsync(self._file.fileno())
+
+  def close(self) -> None:
+    self.flush()
+    self._file.close()
+
+
+class TensorBoardWriter:
+  """TensorBoard event files in `logdir` (via tensorboardX)."""
+
+  def __init__(self, logdir: os.PathLike | str):
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+    self._writer = tensorboardX.SummaryWriter(str(logdir), flush_secs=30)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    for key, value in scalars.items():
+      if isinstance(value, (int, float)):
+        self._writer.add_scalar(key, value, int(step))
+
+  def flush(self) -> None:
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+class MultiWriter:
+  """Writes to several writers."""
+
+  def __init__(self, writers: Sequence):
+    self.writers = list(writers)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    for writer in self.writers:
+      writer.write_scalars(step, scalars)
+
+  def flush(self) -> None:
+    for writer in self.writers:
+      writer.flush()
+
+  def close(self) -> None:
+    for writer in self.writers:
+      writer.close()
+
+
+def create_writer(workdir: os.PathLike | str, tensorboard: bool = True) -> MultiWriter:
+  """JSONL in `workdir/metrics.jsonl` and TensorBoard in `workdir/tensorboard`."""
+  workdir = pathlib.Path(workdir)
+  writers = [JsonlWriter(workdir / METRICS_FILENAME)]
+  if tensorboard:
+    try:
+      writers.append(TensorBoardWriter(workdir / "tensorboard"))
+    except ImportError:
+      logging.warning("tensorboardX is not installed: no TensorBoard event files are written "
+                      "(metrics still go to %s).", workdir / METRICS_FILENAME)
+  return MultiWriter(writers)
+
+
+def read_metrics(workdir: os.PathLike | str) -> list[dict]:
+  """Every record of `workdir/metrics.jsonl` (an empty list if there is none)."""
+  path = pathlib.Path(workdir) / METRICS_FILENAME
+  if not path.is_file():
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_metrics(workdir: os.PathLike | str, step: int) -> None:
+  """Drops the records after `step`: on resume, steps that ran after the checkpoint are redone."""
+  path = pathlib.Path(workdir) / METRICS_FILENAME
+  if not path.is_file():
+    return
+  records = read_metrics(workdir)
+  kept = [r for r in records if r["step"] <= step]
+  if len(kept) != len(records):
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MeanAccumulator:
+  """Running sums of per-step metrics between two log lines; its state is saved in checkpoints."""
+
+  def __init__(self, state: Mapping | None = None):
+    state = state or {}
+    self.sums = dict(state.get("sums", {}))
+    self.count = int(state.get("count", 0))
+
+  def add(self, metrics: Mapping[str, float]) -> None:
+    for k, v in metrics.items():
+      self.sums[k] = self.sums.get(k, 0.0) + float(v)
+    self.count += 1
+
+  def means(self) -> dict[str, float]:
+    return {k: v / max(self.count, 1) for k, v in self.sums.items()}
+
+  def reset(self) -> None:
+    self.sums, self.count = {}, 0
+
+  def state(self) -> dict:
+    return {"sums": dict(self.sums), "count": self.count}
+
+
+class Progress:
+  """The progress line: step, loss, tokens/s and ETA, measured over training time only."""
+
+  def __init__(self, num_steps: int, tokens_per_step: int, start_step: int):
+    self.num_steps, self.tokens_per_step = num_steps, tokens_per_step
+    self._step, self._time = start_step, time.perf_counter()
+    self.tokens_per_second = 0.0
+
+  def pause(self) -> float:
+    return time.perf_counter()
+
+  def resume(self, paused_at: float) -> None:
+    """Excludes the time since `pause()` (evaluation, checkpointing) from the throughput."""
+    self._time += time.perf_counter() - paused_at
+
+  def line(self, step: int, means: Mapping[str, float]) -> str:
+    now = time.perf_counter()
+    steps = step - self._step
+    elapsed = max(now - self._time, 1e-9)
+    self.tokens_per_second = steps * self.tokens_per_step / elapsed
+    eta = (self.num_steps - step) * elapsed / max(steps, 1)
+    self._step, self._time = step, now
+    parts = [f"step {step}/{self.num_steps}", f"loss {means.get('loss', math.nan):.4f}",
+             f"diffusion {means.get('diffusion_loss', math.nan):.4f}",
+             f"ar {means.get('ar_loss', math.nan):.4f}",
+             f"{self.tokens_per_second:,.0f} tok/s", f"ETA {_duration(eta)}"]
+    return " | ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  h, rest = divmod(seconds, 3600)
+  m, s = divmod(rest, 60)
+  return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def _jsonable(value):
+  if isinstance(value, (str, bool, int)) or value is None:
+    return value
+  value = float(value)
+  return value if math.isfinite(value) else str(value)

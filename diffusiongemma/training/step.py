@@ -1,0 +1,86 @@
+"""The jitted train and eval steps, and the host-side guard against non-finite metrics."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from diffusiongemma.diffusion import loss as loss_lib
+from diffusiongemma.training.state import TrainState
+
+Array = jax.Array
+NAN_POLICIES = ("error", "skip")
+GUARDED_METRICS = ("loss", "diffusion_loss", "ar_loss", "grad_norm")
+
+
+class NonFiniteError(FloatingPointError):
+  """A training step produced NaN or Inf; the update was not applied."""
+
+
+def make_train_step(model, optimizer: optax.GradientTransformation, loss_config: loss_lib.LossConfig, *,
+                    num_canvases: int, schedule: optax.Schedule | None = None,
+                    state_sharding=None, batch_sharding=None) -> Callable:
+  """`step(state, batch) -> (state, metrics)`, jitted with the state donated.
+
+  The loss randomness is `fold_in(state.rng, state.step)`. A step whose loss, AR loss, diffusion loss
+  or gradient norm is not finite leaves params and optimizer state unchanged (the step counter still
+  advances, so the data and the randomness move on) and reports `finite = 0`; the caller decides
+  whether that is an error (`check_finite`).
+  """
+
+  def step(state: TrainState, batch: Mapping[str, Array]):
+    rng = jax.random.fold_in(state.rng, state.step)
+
+    def loss_fn(params):
+      return loss_lib.diffusion_loss(model, params, batch, rng, loss_config, num_canvases=num_canvases)
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    finite = jnp.all(jnp.stack([jnp.isfinite(metrics[k]) for k in GUARDED_METRICS]))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jnp.where(finite, new, old)
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+    if schedule is not None:
+      metrics["learning_rate"] = schedule(state.step)
+    metrics["finite"] = finite.astype(jnp.float32)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  kwargs = {}
+  if state_sharding is not None:
+    kwargs = dict(in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None))
+  return jax.jit(step, donate_argnums=0, **kwargs)
+
+
+def make_eval_step(model, loss_config: loss_lib.LossConfig, *, num_canvases: int) -> Callable:
+  """`eval_step(params, batch, rng) -> metrics` of the objective (no gradient)."""
+
+  def eval_step(params, batch, rng):
+    _, metrics = loss_lib.diffusion_loss(model, params, batch, rng, loss_config,
+                                         num_canvases=num_canvases)
+    return metrics
+
+  return jax.jit(eval_step)
+
+
+def check_finite(metrics: Mapping[str, float], step: int, policy: str) -> bool:
+  """True if the step at `step` (1-based: the update that produced state.step == step) was finite.
+
+  With `policy='error'` a non-finite step raises `NonFiniteError` naming the step and the offending
+  metrics; with 'skip' it returns False (the update was already dropped by the step).
+  """
+  if policy not in NAN_POLICIES:
+    raise ValueError(f"Unknown config.train.nan_policy {policy!r}; expected one of {NAN_POLICIES}.")
+  if metrics["finite"]:
+    return True
+  bad = [k for k in GUARDED_METRICS if not math.isfinite(float(metrics[k]))]
+  if policy == "error":
+    values = ", ".join(f"{k}={float(metrics[k])}" for k in bad)
+    raise NonFiniteError(f"Non-finite {', '.join(bad)} at step {step} ({values}); the update was not "
+                         "applied. Set config.train.nan_policy='skip' to skip such updates instead.")
+  return False

@@ -1,0 +1,144 @@
+"""The noise processes and the block-diffusion loss on a tiny random model."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma import diffusion
+
+V = 50
+TINY = dg.ModelConfig(
+    vocab_size=V, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+    num_full_kv_heads=1, full_head_dim=8, sliding_window=6, intermediate_size=32, num_experts=2,
+    top_k=1, moe_intermediate_size=16, canvas_length=4, max_positions=64, moe_impl="dense")
+PROMPT, CANVASES = 3, 3
+
+
+def test_sample_time_range():
+  t = diffusion.sample_time(jax.random.PRNGKey(0), (100_000,), 0.1)
+  assert float(t.min()) >= 0.1 and float(t.max()) <= 0.9
+  assert abs(float(t.mean()) - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("t", [0.05, 0.3, 0.9])
+def test_uniform_noise_corrupts_at_rate_t(t):
+  noise = diffusion.make_noise("uniform", V)
+  tokens = jnp.zeros((200, 500), jnp.int32) + 7
+  noisy, corrupted = noise.corrupt(jax.random.PRNGKey(1), tokens, jnp.float32(t))
+  assert abs(float(corrupted.mean()) - t) < 0.01
+  # A corrupted token is uniform over the whole vocabulary, so it may equal the original.
+  changed = noisy != tokens
+  assert abs(float(changed.mean()) - t * (1 - 1 / V)) < 0.01
+  assert not bool(jnp.any(changed & ~corrupted))
+  counts = np.bincount(np.asarray(noisy[corrupted]), minlength=V)
+  assert counts.size == V and counts.min() > 0.7 * counts.mean()
+  np.testing.assert_array_equal(noise.loss_weights(corrupted, t), np.ones(tokens.shape))
+
+
+def test_masked_noise_corrupts_to_mask_with_elbo_weights():
+  noise = diffusion.make_noise("masked", V)
+  assert noise.mask_token_id == V - 1 == diffusion.mask_token_id(V)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, V - 1, (300, 400)), jnp.int32)
+  t = jax.random.uniform(jax.random.PRNGKey(2), (300, 1), minval=0.01, maxval=0.99)
+  noisy, corrupted = noise.corrupt(jax.random.PRNGKey(3), tokens, t)
+  np.testing.assert_array_equal(noisy, jnp.where(corrupted, V - 1, tokens))
+  np.testing.assert_allclose(corrupted.mean(axis=1), t[:, 0], atol=0.08)
+  weights = noise.loss_weights(corrupted, t)
+  np.testing.assert_allclose(weights, corrupted / t, rtol=1e-6)
+  # E[1{masked} / t] = 1 for every t: the ELBO weights every noise level equally in expectation.
+  np.testing.assert_allclose(weights.mean(), 1.0, atol=0.02)
+  logits = noise.prepare_logits(jnp.zeros((2, V)))
+  assert float(logits[0, V - 1]) < -1e8 and float(logits[0, 0]) == 0.0
+  assert diffusion.make_noise("masked", V, 10).mask_token_id == 10
+
+
+def test_bad_noise_configs():
+  with pytest.raises(ValueError, match="Unknown noise 'gaussian'"):
+    diffusion.make_noise("gaussian", V)
+  with pytest.raises(ValueError, match="Unknown noise 'absorbing'.*config.diffusion.noise"):
+    diffusion.LossConfig(noise="absorbing")
+  with pytest.raises(ValueError, match="outside the model vocabulary"):
+    diffusion.make_noise("masked", V, V)
+  with pytest.raises(ValueError, match=r"Unknown config.diffusion fields \['nosie'\]"):
+    diffusion.LossConfig.from_dict({"nosie": "masked"})
+  with pytest.raises(ValueError, match="self_conditioning_prob"):
+    diffusion.LossConfig(self_conditioning_prob=1.5)
+
+
+@pytest.fixture(scope="module")
+def params():
+  model = dg.DiffusionGemma(TINY)
+  shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 3), jnp.int32),
+                          jnp.zeros((1, TINY.canvas_length), jnp.int32))
+  rng = np.random.default_rng(0)
+
+  def draw(x):
+    if x.ndim < 2:
+      return jnp.asarray(1 + 0.1 * rng.standard_normal(x.shape), x.dtype)
+    return jnp.asarray(rng.standard_normal(x.shape) / np.sqrt(x.shape[-2]), x.dtype)
+
+  return {"params": jax.tree.map(draw, nn.unbox(shapes)["params"])}
+
+
+def _batch(seed=0, b=4):
+  tokens = np.random.default_rng(seed).integers(0, V - 1, (b, PROMPT + CANVASES * TINY.canvas_length))
+  return {"tokens": jnp.asarray(tokens, jnp.int32), "prompt_length": jnp.full((b,), PROMPT, jnp.int32)}
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _loss(params, batch, rng, config, canvas_index=None):
+  return diffusion.diffusion_loss(dg.DiffusionGemma(TINY), params, batch, rng, config,
+                                  num_canvases=CANVASES, canvas_index=canvas_index)
+
+
+@pytest.mark.parametrize("noise", ["uniform", pytest.param("masked", marks=pytest.mark.slow)])
+def test_all_canvases_equals_mean_of_one_canvas_losses(params, noise):
+  """One block-causal pass over every canvas == each canvas alone, with the same noise draws, also
+  when rows have different prompt lengths (canvases at different offsets)."""
+  config = diffusion.LossConfig(noise=noise, self_conditioning_prob=0.5)
+  batch, rng = _batch(), jax.random.PRNGKey(4)
+  batch["prompt_length"] = jnp.asarray([3, 2, 1, 0], jnp.int32)
+  _, everything = _loss(params, batch, rng, config.replace(all_canvases=True))
+  one = [_loss(params, batch, rng, config, jnp.full((4,), j, jnp.int32))[1] for j in range(CANVASES)]
+  for key in ("diffusion_loss", "diffusion_ce", "loss"):
+    np.testing.assert_allclose(everything[key], np.mean([m[key] for m in one]), rtol=2e-5)
+  np.testing.assert_allclose(everything["ar_loss"], one[0]["ar_loss"], rtol=1e-6)
+  assert all(np.isfinite(float(v)) for v in everything.values())
+  # At init the CE of every position is near log V: the total is about 2 log V.
+  assert 1.5 * np.log(V) < float(everything["loss"]) < 3 * np.log(V)
+  other = _loss(params, batch, jax.random.PRNGKey(5), config, jnp.zeros((4,), jnp.int32))[1]
+  assert float(other["loss"]) != float(one[0]["loss"])
+
+
+class _DetachedCache(dg.DiffusionGemma):
+  """The same model with the encoder's cache cut from the gradient (a reference, not a feature)."""
+
+  def encode(self, tokens, cache=None, **kwargs):
+    logits, cache = super().encode(tokens, cache, **kwargs)
+    return logits, jax.lax.stop_gradient(cache)
+
+
+def test_loss_is_finite_and_gradients_reach_the_encoder(params):
+  """With no AR term, the diffusion loss still trains the weights through the encoder's clean KV
+  cache (gradients differ from those of a cut cache), and self-conditioning gets gradient."""
+  config = diffusion.LossConfig(noise="masked", ar_loss_weight=0.0, self_conditioning_prob=1.0)
+
+  def grad(model, p):
+    fn = lambda q: diffusion.diffusion_loss(model, q, _batch(), jax.random.PRNGKey(5), config,
+                                            num_canvases=CANVASES)
+    return jax.grad(fn, has_aux=True)(p)[0]["params"]
+
+  full, cut = jax.jit(lambda p: (grad(dg.DiffusionGemma(TINY), p), grad(_DetachedCache(TINY), p)))(params)
+  flat = lambda g: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(g)[0]}
+  full, cut = flat(full), flat(cut)
+  assert all(np.isfinite(v).all() for v in full.values())
+  assert any(np.abs(v).max() > 0 for k, v in full.items() if "self_conditioning" in k)
+  # Attention in layer 0 reads the cache's keys: its weights get gradient through the encoder pass.
+  key = "['layer_0']['attn']['k_einsum']"
+  difference = np.linalg.norm(full[key] - cut[key]) / np.linalg.norm(full[key])
+  assert difference > 0.05, difference

@@ -1,0 +1,212 @@
+"""Training: optimizer, NaN guard, checkpoints, exact resume, evaluation, bad inputs, learning."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma import training
+from diffusiongemma.config_base import load_config_file
+from diffusiongemma.training import inputs
+from diffusiongemma.training import loop
+
+ROOT = pathlib.Path(__file__).parent.parent
+STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
+CORPUS_FILES = ("argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py",
+                "typing.py", "pathlib.py", "textwrap.py", "string.py", "json/decoder.py", "json/encoder.py",
+                "contextlib.py", "copy.py", "abc.py", "bisect.py", "heapq.py", "fractions.py")
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """A few standard-library modules as a folder corpus, and a tokenizer trained on them."""
+  root = tmp_path_factory.mktemp("corpus")
+  folder = root / "texts"
+  folder.mkdir()
+  for name in CORPUS_FILES:
+    if (STDLIB / name).is_file():
+      shutil.copy(STDLIB / name, folder / name.replace("/", "_"))
+  texts = dg.data.load_corpus(folder, "train", validation_fraction=0.2)
+  tokenizer = dg.data.Tokenizer.train(texts, root / "tokenizer.model", vocab_size=VOCAB)
+  return folder, root / "tokenizer.model"
+
+
+def _config(corpus, **overrides):
+  """configs/tiny.py shrunk for tests (2 layers, dense experts, 40-token sequences, batch 4)."""
+  folder, tokenizer = corpus
+  config = load_config_file(ROOT / "configs" / "tiny.py")
+  config.model.vocab_size = VOCAB
+  config.model.num_layers = 2
+  config.model.moe_impl = "dense"
+  config.model.canvas_length = 8
+  config.data.corpus = str(folder)
+  config.data.tokenizer_path = str(tokenizer)
+  config.data.vocab_size = VOCAB
+  config.data.prompt_length = 8
+  config.data.num_canvases = 2
+  config.data.validation_fraction = 0.2
+  config.train.batch_size = 4
+  config.train.num_steps = 6
+  config.train.warmup_steps = 2
+  config.train.log_every = 1
+  config.train.eval_every = 0
+  config.train.eval_batches = 2
+  config.train.checkpoint_every = 3
+  for key, value in overrides.items():
+    section, field = key.split(".")
+    config[section][field] = value
+  return config
+
+
+def _losses(workdir, prefix="train/"):
+  return [(r["step"], {k: v for k, v in r.items() if k.startswith(prefix)})
+          for r in training.read_metrics(workdir) if any(k.startswith(prefix) for k in r)]
+
+
+def _assert_same_params(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_learning_rate_schedule_and_clipping():
+  train = dict(learning_rate=1e-2, warmup_steps=10, num_steps=110, final_learning_rate_ratio=0.1,
+               adam_b1=0.9, adam_b2=0.95, weight_decay=0.0, grad_clip=1.0)
+  schedule = training.learning_rate_schedule(train)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
+                             [0.0, 5e-3, 1e-2, 5.5e-3, 1e-3], rtol=1e-5)
+  optimizer = training.make_optimizer(train)
+  params = {"w": jnp.ones((2, 2))}
+  updates, _ = optimizer.update({"w": jnp.full((2, 2), 1e6)}, optimizer.init(params), params)
+  assert np.all(np.isfinite(np.asarray(updates["w"])))
+  train["grad_clip"] = 0.0
+  assert len(training.make_optimizer(train).init(params)) == 1  # no clipping stage
+
+
+def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
+  """6 steps at once == 1 step (time budget spent) + resume to 6, in params and logged losses."""
+  config = _config(corpus)
+  caplog.set_level("INFO")
+  straight = training.train(config, tmp_path / "a")
+  assert any("tok/s" in r.getMessage() and "ETA" in r.getMessage() and "step 6/6" in r.getMessage()
+             for r in caplog.records)
+  first = training.train(_config(corpus, **{"train.time_budget_s": 1e-9}), tmp_path / "b")
+  assert int(first.step) == 1
+  resumed = training.train(config, tmp_path / "b")
+  assert int(resumed.step) == 6
+  _assert_same_params(straight.params, resumed.params)
+  _assert_same_params(straight.opt_state, resumed.opt_state)
+  assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
+  assert [s for s, _ in _losses(tmp_path / "a")] == [1, 2, 3, 4, 5, 6]
+  assert sorted(int(p.name) for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+  assert list((tmp_path / "a" / "tensorboard").iterdir())
+  saved = json.loads((tmp_path / "a" / "config.json").read_text())
+  assert saved["model"]["num_layers"] == 2 and saved["diffusion"]["noise"] == "uniform"
+  # Nothing to do when the run is complete: the same state comes back.
+  again = training.train(config, tmp_path / "a")
+  _assert_same_params(straight.params, again.params)
+
+
+def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
+  config = _config(corpus)
+  setup = loop._Setup(config, tmp_path)
+  state = setup.init_fn()
+  params = jax.tree.map(lambda x: x, state.params)
+  params["params"]["embedder"]["input_embedding"] = params["params"]["embedder"]["input_embedding"].at[
+      5].set(jnp.nan)
+  state = jax.device_put(state.replace(params=params), setup.replicated)
+  before = jax.device_get(state)
+  batch = inputs.to_global({"tokens": np.full((4, 24), 5, np.int32),
+                            "prompt_length": np.full((4,), 8, np.int32)}, setup.batch_sharding)
+  state, metrics = setup.train_step(state, batch)
+  metrics = jax.device_get(metrics)
+  with pytest.raises(training.NonFiniteError, match=r"Non-finite loss.* at step 1 .*nan_policy='skip'"):
+    training.check_finite(metrics, 1, "error")
+  assert training.check_finite(metrics, 1, "skip") is False
+  assert int(state.step) == 1
+  _assert_same_params(before.params, state.params)
+  _assert_same_params(before.opt_state, state.opt_state)
+  with pytest.raises(ValueError, match="nan_policy 'ignore'"):
+    training.check_finite(metrics, 1, "ignore")
+
+
+def test_checkpoint_from_another_config_fails_naming_fields_and_loses_nothing(corpus, tmp_path):
+  training.train(_config(corpus, **{"train.time_budget_s": 1e-9}), tmp_path)
+  before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+  other = _config(corpus, **{"train.num_steps": 9, "model.hidden_size": 32,
+                             "diffusion.noise": "masked", "train.learning_rate": 1e-3})
+  with pytest.raises(training.ConfigMismatchError) as error:
+    training.train(other, tmp_path)
+  message = str(error.value)
+  for field in ("model.hidden_size: checkpoint 64, config 32", "diffusion.noise", "train.learning_rate"):
+    assert field in message
+  assert "train.num_steps" not in message
+  with pytest.raises(training.ConfigMismatchError, match="model.hidden_size"):
+    training.evaluate(other, tmp_path)
+  assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("noise", ["uniform", pytest.param("masked", marks=pytest.mark.slow)])
+def test_evaluate_reports_losses_and_masked_perplexity_bound(corpus, tmp_path, noise):
+  # Masked noise needs a mask token outside the tokenizer: one more model vocabulary entry.
+  overrides = {"diffusion.noise": noise, "model.vocab_size": VOCAB + (noise == "masked")}
+  training.train(_config(corpus, **overrides, **{"train.time_budget_s": 1e-9}), tmp_path)
+  config = _config(corpus, **overrides)
+  results = training.evaluate(config, tmp_path)
+  assert results["step"] == 1 and results["num_batches"] == 2
+  for key in ("diffusion_loss", "ar_loss", "ar_perplexity"):
+    assert np.isfinite(results[key]) and results[key] > 0
+  np.testing.assert_allclose(results["ar_perplexity"], np.exp(results["ar_loss"]), rtol=1e-6)
+  if noise == "masked":
+    np.testing.assert_allclose(results["perplexity_bound"], np.exp(results["diffusion_loss"]), rtol=1e-6)
+  else:
+    assert "perplexity_bound" not in results
+  # After one step every prediction is still near uniform over the vocabulary.
+  assert 0.5 * VOCAB < results["ar_perplexity"] < 2 * VOCAB
+  assert json.loads((tmp_path / "eval.json").read_text()) == results
+  assert training.evaluate(config, tmp_path) == results  # fixed evaluation noise
+
+
+def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch):
+  def fails(match, workdir=None, **overrides):
+    workdir = workdir or tmp_path / "work"
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+      training.train(_config(corpus, **overrides), workdir)
+    assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+    assert not (workdir / "metrics.jsonl").exists()
+
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  fails("contains no files", **{"data.corpus": str(empty)})
+  fails("does not exist", **{"data.corpus": str(tmp_path / "missing")})
+  binary = tmp_path / "binary"
+  binary.mkdir()
+  (binary / "blob.bin").write_bytes(bytes(range(256)) * 64)
+  fails("no readable UTF-8 text", **{"data.corpus": str(binary)})
+  fails("Unsupported corpus source", **{"data.corpus": str(binary / "blob.bin")})
+  short = tmp_path / "short"
+  short.mkdir()
+  for i in range(5):
+    (short / f"{i}.txt").write_text("x")  # 2 tokens with EOS: not one 24-token sequence
+  fails("fewer than one sequence", **{"data.corpus": str(short)})
+  fails("Unknown noise 'gaussian'", **{"diffusion.noise": "gaussian"})
+  fails("nan_policy", **{"train.nan_policy": "ignore"})
+  fails("compute_dtype", **{"train.compute_dtype": "int8"})
+  fails("num_canvases must be >= 1", **{"data.num_canvases": 0})
+  fails("more than model.vocab_size", **{"model.vocab_size": 300})
+  monkeypatch.setattr(inputs.jax, "device_count", lambda: 8)
+  fails("batch_size=4 is not divisible by the 8 devices", **{})
+  monkeypatch.undo()
+  with pytest.raises(FileNotFoundError, match="No checkpoints"):
+    training.evaluate(_config(corpus), tmp_path / "never_trained")
