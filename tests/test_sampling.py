@@ -364,3 +364,18 @@ def test_other_rules_end_to_end(model, params, changes):
     # Accepted tokens stay: the number of unmasked positions never drops.
     unmasked = (np.asarray(out.trace.canvas)[0] != mask).sum(-1)
     assert (np.diff(unmasked[: passes.min()], axis=0) >= 1).all()
+
+
+def test_runner_reports_steps_and_stats(params, sampler, tmp_path):
+  from diffusiongemma.sampling import runner  # pylint: disable=g-import-not-at-top
+  out = sampler.generate(params, _prompts(7), _keys(30, 31, 32), max_new_tokens=NEW, return_trace=True)
+  lines = runner.format_steps(out, lambda ids: " ".join(map(str, ids)), row=1)
+  assert len(lines) == int(out.num_denoiser_passes[1]) and lines[0].startswith("canvas 0 step  1 accepted")
+  per_step = runner.accepted_per_step(out)
+  assert per_step.shape == (2, CONFIG.max_denoising_steps) and np.nanmin(per_step) >= 1
+  stats = runner.stats(out, 1.0, STOP, TINY.pad_id)
+  assert stats["denoiser_passes"] == int(out.num_denoiser_passes.sum()) and stats["tokens_per_forward"] > 0
+  assert runner.restore_workdir_params(tmp_path) is None
+  tokens, lengths = runner.pad_prompts([[5, 6, 7], [8]], 0)
+  np.testing.assert_array_equal(tokens, [[5, 6, 7], [8, 0, 0]])
+  np.testing.assert_array_equal(lengths, [3, 1])
