@@ -379,3 +379,20 @@ def test_runner_reports_steps_and_stats(params, sampler, tmp_path):
   tokens, lengths = runner.pad_prompts([[5, 6, 7], [8]], 0)
   np.testing.assert_array_equal(tokens, [[5, 6, 7], [8, 0, 0]])
   np.testing.assert_array_equal(lengths, [3, 1])
+
+
+@pytest.mark.slow
+def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+  """colabs/quickstart.ipynb end to end: train the tiny model briefly, sample, show steps, plot."""
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  pytest.importorskip("ipykernel")
+  monkeypatch.setenv("DG_ROOT", str(ROOT))
+  monkeypatch.setenv("DG_QUICKSTART_WORKDIR", str(tmp_path))
+  monkeypatch.setenv("DG_QUICKSTART_STEPS", "20")
+  notebook = nbformat.read(ROOT / "colabs" / "quickstart.ipynb", as_version=4)
+  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                          resources={"metadata": {"path": str(ROOT / "colabs")}}).execute()
+  text = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                 for o in cell.get("outputs", []))
+  assert "trained to step 20" in text and "canvas 0 step  1 accepted" in text and "autoregressive:" in text
