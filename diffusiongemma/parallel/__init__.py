@@ -1,0 +1,16 @@
+"""Meshes, logical-axis rules and sharded initialisation."""
+
+from diffusiongemma.parallel.mesh import batch_sharding
+from diffusiongemma.parallel.mesh import BATCH_AXES
+from diffusiongemma.parallel.mesh import init_params
+from diffusiongemma.parallel.mesh import LOGICAL_RULES
+from diffusiongemma.parallel.mesh import logical_rules
+from diffusiongemma.parallel.mesh import make_mesh
+from diffusiongemma.parallel.mesh import MESH_AXES
+from diffusiongemma.parallel.mesh import mesh_shape
+from diffusiongemma.parallel.mesh import param_shardings
+from diffusiongemma.parallel.mesh import param_specs
+from diffusiongemma.parallel.mesh import replicated
+
+__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "batch_sharding", "init_params", "logical_rules",
+           "make_mesh", "mesh_shape", "param_shardings", "param_specs", "replicated"]

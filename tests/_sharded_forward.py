@@ -1,0 +1,48 @@
+"""Run by test_parallel.py in a fresh process with 8 simulated CPU devices: sharded == one device."""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax.numpy as jnp
+import numpy as np
+
+import diffusiongemma as dg
+from diffusiongemma import parallel
+
+CONFIG = dg.ModelConfig(
+    vocab_size=64, hidden_size=32, num_layers=2, layer_types=("sliding", "full"), num_heads=4,
+    num_kv_heads=2, head_dim=8, num_full_kv_heads=1, full_head_dim=16, sliding_window=4,
+    intermediate_size=32, num_experts=4, top_k=2, moe_intermediate_size=16, canvas_length=8,
+    max_positions=128)
+MESHES = [dict(data=2, fsdp=2, expert=2, tensor=1), dict(data=1, fsdp=2, expert=4, tensor=1),
+          dict(data=1, fsdp=2, expert=1, tensor=4)]
+
+
+def main():
+  assert jax.device_count() == 8, jax.devices()
+  model = dg.DiffusionGemma(CONFIG)
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(0, 64, (8, 5)), jnp.int32)
+  canvas = jnp.asarray(rng.integers(0, 64, (8, 8)), jnp.int32)
+  forward = lambda p, a, b: model.apply({"params": p}, a, b)
+  one = parallel.make_mesh({"data": 1}, jax.devices()[:1])
+  want_params, _ = parallel.init_params(model, jax.random.key(0), one, prompt[:1], canvas[:1])
+  want = np.asarray(jax.jit(forward)(want_params, prompt, canvas))
+  for sizes in MESHES:
+    mesh = parallel.make_mesh(sizes)
+    params, shardings = parallel.init_params(model, jax.random.key(0), mesh, prompt[:1], canvas[:1])
+    experts = params["layer_0"]["experts"]["gating_einsum"]
+    assert experts.addressable_shards[0].data.shape[0] == CONFIG.num_experts // sizes["expert"]
+    for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    batch = parallel.batch_sharding(mesh)
+    got = jax.jit(forward, in_shardings=(shardings, batch, batch))(params, prompt, canvas)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    print(f"mesh {sizes}: max |sharded - one device| = {np.abs(np.asarray(got) - want).max():.2e}")
+  print("OK")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,54 @@
+"""Meshes, sharding rules and the memory plan; sharded execution on 8 simulated devices (subprocess)."""
+
+import pathlib
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma import parallel
+from diffusiongemma.config_base import load_config_file
+from diffusiongemma.parallel import plan
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_mesh_shape_fills_the_rest_and_rejects_bad_sizes():
+  assert parallel.mesh_shape({"data": -1, "expert": 4}, 8) == dict(data=2, fsdp=1, expert=4, tensor=1)
+  with pytest.raises(ValueError, match="does not divide"):
+    parallel.mesh_shape({"data": -1, "expert": 3}, 8)
+  with pytest.raises(ValueError, match="Only one"):
+    parallel.mesh_shape({"data": -1, "fsdp": -1}, 8)
+  with pytest.raises(ValueError, match="has 4 devices in all, but there are 8"):
+    parallel.mesh_shape({"data": 2, "expert": 2}, 8)
+  with pytest.raises(ValueError, match=r"config.mesh.tensor=0"):
+    parallel.mesh_shape({"tensor": 0}, 8)
+  with pytest.raises(ValueError, match="Unknown config.mesh axes"):
+    parallel.mesh_shape({"model": 2}, 8)
+  with pytest.raises(ValueError, match="'model', which is not a mesh axis"):
+    parallel.logical_rules({"rules": [("embed", "model")]})
+
+
+def test_released_model_specs_and_plan():
+  cfg = dg.ModelConfig.from_dict(load_config_file(ROOT / "configs" / "diffusiongemma_26b_a4b.py").model)
+  sizes = dict(data=1, fsdp=1, expert=8, tensor=1)
+  model = dg.DiffusionGemma(cfg)
+  boxed = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 2), "int32"),
+                         jax.ShapeDtypeStruct((1, cfg.canvas_length), "int32"))["params"]
+  specs = parallel.param_specs(boxed, sizes)
+  assert specs["layer_0"]["experts"]["gating_einsum"] == jax.P("expert", None, "tensor", "fsdp")
+  one_device = plan.memory_plan(cfg, dict(data=1, fsdp=1, expert=1, tensor=1), batch_size=1,
+                                sequence_length=1024, training=False)
+  assert one_device["parameters"] == 2 * dg.model.count_parameters(cfg)["total"]  # bfloat16, whole
+  eight = plan.memory_plan(cfg, sizes, batch_size=8, sequence_length=8192, training=False)
+  assert eight["parameters"] < one_device["parameters"] / 4  # the experts, most of the model, split 8 ways
+  assert eight["total"] < 80e9
+
+
+def test_sharded_forward_equals_one_device():
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_forward.py")], capture_output=True,
+                          text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "OK" in result.stdout, result.stdout
