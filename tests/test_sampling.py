@@ -186,7 +186,8 @@ def test_acceptance_from_logits():
   all_ = jnp.ones((1, 3), bool)
   # Ascending 0, log 2, log 4: the sums before each are 0, 0, log 2.
   np.testing.assert_array_equal(rules.accept(CONFIG, logits, ent, all_), [[1, 0, 1]])
-  np.testing.assert_array_equal(rules.accept(CONFIG.replace(entropy_bound=0.7), logits, ent, all_), [[1, 1, 1]])
+  wide = CONFIG.replace(entropy_bound=0.7)
+  np.testing.assert_array_equal(rules.accept(wide, logits, ent, all_), [[1, 1, 1]])
   cfg = CONFIG.replace(acceptance="count", tokens_per_step=2)
   np.testing.assert_array_equal(rules.accept(cfg, logits, ent, all_), [[1, 0, 1]])
 
@@ -280,7 +281,8 @@ def test_while_loop_equals_python_loop(model, params, sampler):
   variables = {"params": params}
   prompt = jnp.asarray(np.pad(prompts, ((0, 0), (0, 3))), jnp.int32)  # the bucket of 8
   cache = dg.KVCache.empty(TINY, B, 8 + NEW)
-  encode = jax.jit(lambda p, c: model.apply(variables, p, c, num_tokens=jnp.full((B,), 5), method=model.encode))
+  encode = jax.jit(lambda p, c: model.apply(variables, p, c, num_tokens=jnp.full((B,), 5),
+                                            method=model.encode))
   _, cache = encode(prompt, cache)
   denoiser = lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
   start, step_keys = sampler.start_canvas(keys, 0)

@@ -101,6 +101,7 @@ def test_tokens_per_forward_agree_with_reference(checkpoint, settings, num_promp
   out = sampler.generate(params, prompts, jax.random.key(0), C)
   ours_pooled = C * num_prompts / float(np.sum(out.num_denoiser_passes))
   ref_pooled = C * num_prompts / float(np.sum(C / ref))
-  print(f"tokens per forward {settings}: ours {ours_pooled:.3f} (row mean {float(out.tokens_per_forward.mean()):.3f}),"
-        f" reference {ref_pooled:.3f} (row mean {ref.mean():.3f})")
+  row_mean = float(out.tokens_per_forward.mean())
+  print(f"tokens per forward {settings}: ours {ours_pooled:.3f} (row mean {row_mean:.3f}), "
+        f"reference {ref_pooled:.3f} (row mean {ref.mean():.3f})")
   assert abs(ours_pooled / ref_pooled - 1) <= 0.10

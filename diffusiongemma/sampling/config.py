@@ -90,8 +90,9 @@ class SamplerConfig:
       fail("stop_tokens", "must be non-negative token ids")
     for field in ("mask_token_id", "canvas_length"):
       value = getattr(self, field)
-      if value is not None and (not is_int(value) or value < (0 if field == "mask_token_id" else 1)):
-        fail(field, "must be None or a " + ("token id >= 0" if field == "mask_token_id" else "positive integer"))
+      lowest, what = (0, "a token id >= 0") if field == "mask_token_id" else (1, "a positive integer")
+      if value is not None and (not is_int(value) or value < lowest):
+        fail(field, f"must be None or {what}")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "SamplerConfig":

@@ -188,9 +188,11 @@ class Sampler:
     model = self.model
     return lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
 
-  def _encode(self, variables, tokens, cache, num_tokens=None):
+  def _encode(self, variables, tokens, cache, num_tokens=None, logits: bool = True):
+    """(logits or, with logits=False, final hidden states, cache) after appending `tokens`."""
     model = self.model
-    return model.apply(variables, tokens, cache, num_tokens=num_tokens, method=model.encode)
+    return model.apply(variables, tokens, cache, num_tokens=num_tokens, return_hidden=not logits,
+                       method=model.encode)
 
   def start_canvas(self, keys: Array, canvas_index) -> tuple[Array, Array]:
     """(first canvas [B, C], step keys [B]) of canvas `canvas_index`, from the row keys."""
@@ -210,7 +212,7 @@ class Sampler:
     b, c = prompt.shape[0], mc.canvas_length
     stop_tokens = jnp.asarray(self.stop_tokens, jnp.int32)
     cache = KVCache.empty(mc, b, prompt.shape[1] + num_canvases * c)
-    _, cache = self._encode(variables, prompt, cache, lengths)
+    _, cache = self._encode(variables, prompt, cache, lengths, logits=False)
 
     def canvas_body(carry):
       k, cache, tokens, finished, canvas_passes, trace = carry
@@ -229,14 +231,15 @@ class Sampler:
       if return_trace:
         trace = jax.tree.map(lambda all_, one: all_.at[k].set(one), trace, step_trace)
       finished = finished | is_stop.any(axis=-1)
-      cache = jax.lax.cond(k + 1 < num_canvases, lambda cc: self._encode(variables, committed, cc)[1],
-                           lambda cc: cc, cache)
+      commit = lambda cc: self._encode(variables, committed, cc, logits=False)[1]
+      cache = jax.lax.cond(k + 1 < num_canvases, commit, lambda cc: cc, cache)
       return k + 1, cache, tokens, finished, canvas_passes, trace
 
     trace = None
     if return_trace:
       shape = (num_canvases, cfg.max_denoising_steps, b, c)
-      trace = steps.StepTrace(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool))
+      trace = steps.StepTrace(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32),
+                              jnp.zeros(shape, bool))
     carry = (jnp.zeros((), jnp.int32), cache, jnp.full((b, num_canvases * c), mc.pad_id, jnp.int32),
              jnp.zeros((b,), bool), jnp.zeros((b, num_canvases), jnp.int32), trace)
     carry = jax.lax.while_loop(lambda cr: (cr[0] < num_canvases) & ~jnp.all(cr[3]), canvas_body, carry)

@@ -150,7 +150,8 @@ def denoise_canvas(config: SamplerConfig, denoiser: Denoiser, state: DenoiseStat
     s, t = carry
     i = s.step
     s = denoise_step(config, denoiser, s, keys)
-    t = StepTrace(t.argmax.at[i].set(s.argmax), t.canvas.at[i].set(s.canvas), t.accepted.at[i].set(s.accepted))
+    t = StepTrace(t.argmax.at[i].set(s.argmax), t.canvas.at[i].set(s.canvas),
+                  t.accepted.at[i].set(s.accepted))
     return s, t
 
   return jax.lax.while_loop(lambda carry: should_continue(config, carry[0]), body, (state, trace))
