@@ -1,6 +1,13 @@
-"""Run by test_parallel.py in a fresh process with 8 simulated CPU devices: sharded == one device."""
+"""Run by test_parallel.py in a fresh process with 8 simulated CPU devices: sharded == one device.
+
+`python _sharded_forward.py` checks sharded init and forward on three meshes; with a transformers
+checkpoint folder as argument it checks the streaming sharded load instead.
+"""
 
 import os
+import pathlib
+import sys
+import tracemalloc
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
@@ -44,5 +51,38 @@ def main():
   print("OK")
 
 
+def load(path):
+  """Streams a sharded checkpoint onto a (1, 2, 4, 1) mesh; host staging stays below the checkpoint size."""
+  mesh = parallel.make_mesh(dict(data=1, fsdp=2, expert=4, tensor=1))
+
+  def shardings(cfg):
+    model = dg.DiffusionGemma(cfg)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32),
+                           jnp.zeros((1, cfg.canvas_length), jnp.int32))["params"]
+    return parallel.param_shardings(boxed, mesh)
+
+  checkpoint_bytes = sum(f.stat().st_size for f in pathlib.Path(path).glob("*.safetensors"))
+  tracemalloc.start()
+  cfg, params = dg.convert.load_hf(path, shardings=shardings)
+  _, peak = tracemalloc.get_traced_memory()
+  tracemalloc.stop()
+  experts = params["layer_0"]["experts"]["gating_einsum"]
+  assert len(experts.sharding.device_set) == 8 and experts.addressable_shards[0].data.shape[0] < cfg.num_experts
+  _, host = dg.convert.load_hf(path)
+  model = dg.DiffusionGemma(cfg)
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, 7)), jnp.int32)
+  canvas = jnp.asarray(rng.integers(0, cfg.vocab_size, (4, cfg.canvas_length)), jnp.int32)
+  forward = jax.jit(lambda p, a, b: model.apply({"params": p}, a, b))
+  np.testing.assert_allclose(np.asarray(forward(params, prompt, canvas)),
+                             np.asarray(forward(jax.device_put(host, jax.devices()[0]), prompt, canvas)), atol=1e-4)
+  print(f"peak host staging {peak} bytes for a {checkpoint_bytes}-byte checkpoint")
+  assert peak < checkpoint_bytes / 2, (peak, checkpoint_bytes)
+  print("OK")
+
+
 if __name__ == "__main__":
-  main()
+  if len(sys.argv) > 1:
+    load(sys.argv[1])
+  else:
+    main()

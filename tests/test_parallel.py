@@ -47,8 +47,21 @@ def test_released_model_specs_and_plan():
   assert eight["total"] < 80e9
 
 
-def test_sharded_forward_equals_one_device():
-  result = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_forward.py")], capture_output=True,
-                          text=True, timeout=600, check=False)
+def _run_on_8_devices(*args):
+  result = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_forward.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=600, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "OK" in result.stdout, result.stdout
+  print(result.stdout)
+
+
+def test_sharded_forward_equals_one_device():
+  _run_on_8_devices()
+
+
+@pytest.mark.hf
+def test_sharded_streaming_load(tmp_path):
+  pytest.importorskip("torch")
+  hf_reference = pytest.importorskip("hf_reference")
+  hf_reference.make_tiny_hf(tmp_path, seed=0, max_shards=4, num_experts=8)
+  _run_on_8_devices(tmp_path)

@@ -185,20 +185,25 @@ class _Checkpoint:
     return self._handles[name].get_tensor(key)
 
 
-def load_hf(path: os.PathLike | str, *, dtype: str | None = None, **config_overrides):
+def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None, **config_overrides):
   """Reads a transformers DiffusionGemma checkpoint folder into `(ModelConfig, params)`.
 
-  Tensors are read one at a time (a sharded checkpoint is never whole in memory at once, beyond the
-  resulting parameters) and kept in the checkpoint's dtype unless `dtype` is given. `config_overrides`
-  (e.g. `moe_impl='dense'`) are applied to the ModelConfig built from config.json.
+  Tensors are streamed one at a time, so the checkpoint is never whole in host memory. They keep the
+  checkpoint's dtype unless `dtype` is given. `shardings` places each tensor as soon as it is read: a tree
+  of `jax.sharding.Sharding`s shaped like the params (e.g. `dg.parallel.param_shardings`), or a callable
+  `(cfg) -> tree`; without it the params are numpy arrays. `config_overrides` (e.g. `moe_impl='dense'`)
+  apply to the ModelConfig built from config.json.
   """
   path = pathlib.Path(path)
   config_file = path / "config.json"
   if not config_file.exists():
     raise FileNotFoundError(f"{path} is not a transformers checkpoint folder: no config.json.")
   cfg = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+  if callable(shardings):
+    shardings = shardings(cfg)
   ckpt = _Checkpoint(path)
   params: dict[str, Any] = {}
+  halves: dict[tuple[str, ...], dict[str, np.ndarray]] = {}  # a GeGLU's gate and up, until both are read
   used = set()
   for entry in _layout(cfg):
     key = next((k for k in entry.keys if k in ckpt.weight_map), None)
@@ -208,8 +213,16 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, **config_overr
     value = entry.to_ours(ckpt.get(key))
     if dtype is not None:
       value = value.astype(dtype)
-    _set(params, entry.path, value)
-  _stack_gating(params)
+    target = entry.path
+    if target[-1] in ("0", "1"):  # gating_einsum [2, F, D] = stack(gate, up)
+      target, pair = target[:-1], halves.setdefault(target[:-1], {})
+      pair[entry.path[-1]] = value
+      if len(pair) < 2:
+        continue
+      value = np.stack([halves.pop(target)["0"], pair["1"]])
+    if shardings is not None:
+      value = jax.device_put(value, _get(shardings, target, leaf=True))
+    _set(params, target, value)
   skipped = sorted(k for k in ckpt.weight_map if k not in used)
   vision = [k for k in skipped if k.startswith(_SKIPPED_PREFIXES)]
   if vision:
@@ -224,16 +237,6 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
   for name in path[:-1]:
     tree = tree.setdefault(name, {})
   tree[path[-1]] = value
-
-
-def _stack_gating(tree: dict) -> None:
-  """Turns {'gating_einsum': {'0': gate, '1': up}} into one [2, F, D] array, wherever it occurs."""
-  for name, value in tree.items():
-    if isinstance(value, dict):
-      if set(value) == {"0", "1"}:
-        tree[name] = np.stack([value["0"], value["1"]])
-      else:
-        _stack_gating(value)
 
 
 _HF_SOFTCAP = 30.0  # transformers' DiffusionGemmaForBlockDiffusion.final_logit_softcapping (not in config.json)
@@ -323,10 +326,13 @@ def _shard_name(i: int, count: int) -> str:
   return "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
 
 
-def _get(tree, path: tuple[str, ...]) -> np.ndarray:
-  """A parameter on the host; path (..., 'gating_einsum', '0') is the gate half of a stacked GeGLU."""
+def _get(tree, path: tuple[str, ...], leaf: bool = False):
+  """A parameter on the host (or, with `leaf`, the tree's leaf itself, e.g. a sharding).
+
+  Path (..., 'gating_einsum', '0') is the gate half of a stacked [2, F, D] GeGLU.
+  """
   for name in path:
     if name in ("0", "1") and not isinstance(tree, Mapping):
       return np.asarray(jax.device_get(tree[int(name)]))
     tree = tree[name]
-  return np.asarray(jax.device_get(tree))
+  return tree if leaf else np.asarray(jax.device_get(tree))
