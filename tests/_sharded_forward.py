@@ -4,6 +4,7 @@
 checkpoint folder as argument it checks the streaming sharded load instead.
 """
 
+import json
 import os
 import pathlib
 import sys
@@ -55,11 +56,12 @@ def load(path):
   """Streams a sharded checkpoint onto a (1, 2, 4, 1) mesh; host staging stays below the checkpoint size."""
   mesh = parallel.make_mesh(dict(data=1, fsdp=2, expert=4, tensor=1))
 
-  def shardings(cfg):
-    model = dg.DiffusionGemma(cfg)
-    boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32),
-                           jnp.zeros((1, cfg.canvas_length), jnp.int32))["params"]
-    return parallel.param_shardings(boxed, mesh)
+  cfg = dg.convert.config_from_hf(json.loads((pathlib.Path(path) / "config.json").read_text()))
+  model = dg.DiffusionGemma(cfg)
+  boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 2), jnp.int32),
+                         jnp.zeros((1, cfg.canvas_length), jnp.int32))["params"]
+  shardings = parallel.param_shardings(boxed, mesh)
+  dg.convert.load_hf(path, shardings=shardings)  # warm up jax's own caches, which are not staging
 
   checkpoint_bytes = sum(f.stat().st_size for f in pathlib.Path(path).glob("*.safetensors"))
   tracemalloc.start()
