@@ -398,3 +398,23 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   text = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                  for o in cell.get("outputs", []))
   assert "trained to step 20" in text and "canvas 0 step  1 accepted" in text and "autoregressive:" in text
+
+
+@pytest.mark.slow
+def test_sample_script_runs(tmp_path):
+  """scripts/sample.py on a random tiny model: text, --show_steps lines, statistics, the AR baseline."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  prompts = tmp_path / "prompts.txt"
+  prompts.write_text("def main(\nimport os\\nimport sys\n")
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "sample.py"), "--config", str(ROOT / "configs" / "tiny.py"),
+       "--workdir", str(tmp_path / "work"), "--random_init", "--prompt", "class A:", "--prompt_file",
+       str(prompts), "--batch_size", "2", "--max_new_tokens", "20", "--show_steps", "--autoregressive",
+       "--config.sampler.max_denoising_steps=4"],
+      capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert out.count("--- [") == 3 and "canvas 1 step  1 accepted" in out
+  assert out.count("diffusion: new_tokens") == 2 and "tokens_per_forward" in out and "compile" in out
+  assert "autoregressive (greedy)" in out
