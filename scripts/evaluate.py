@@ -26,6 +26,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  training.quiet_orbax_logs()
   results = training.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value,
                               num_batches=_NUM_BATCHES.value)
   print(json.dumps(results, indent=2))

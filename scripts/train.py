@@ -21,6 +21,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  training.quiet_orbax_logs()
   training.train(_CONFIG.value, _WORKDIR.value)
 
 

@@ -6,6 +6,7 @@ from diffusiongemma.training.checkpoint import ConfigMismatchError
 from diffusiongemma.training.evaluation import evaluate_params
 from diffusiongemma.training.loop import evaluate
 from diffusiongemma.training.loop import train
+from diffusiongemma.training.metrics import quiet_orbax_logs
 from diffusiongemma.training.metrics import read_metrics
 from diffusiongemma.training.optim import learning_rate_schedule
 from diffusiongemma.training.optim import make_optimizer
@@ -32,6 +33,7 @@ __all__ = [
     "make_eval_step",
     "make_optimizer",
     "make_train_step",
+    "quiet_orbax_logs",
     "read_metrics",
     "train",
 ]

@@ -62,7 +62,8 @@ class Checkpointer:
   def __init__(self, workdir: os.PathLike | str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                           enable_async_checkpointing=async_save)
+                                           enable_async_checkpointing=async_save,
+                                           cleanup_tmp_directories=True)
     self.manager = ocp.CheckpointManager(self.directory, options=options,
                                          item_names=("state", "data", "meta"))
 

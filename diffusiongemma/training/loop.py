@@ -152,37 +152,41 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
           fresh: bool) -> TrainState:
   tc = config.train
   train_step = setup.train_step
-  step = int(state.step)
+  step = first_step = int(state.step)
   length = config.data.prompt_length + config.data.num_canvases * setup.model_cfg.canvas_length
   progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * length, step)
   writer = metrics_lib.create_writer(setup.workdir)
   process_start, cpu_start = time.perf_counter(), time.process_time()
-  excluded = 0.0  # seconds of evaluation and checkpointing in this process
+  excluded = 0.0  # seconds of evaluation, checkpointing and the first (compiling) step in this run
+  compile_s = 0.0
+  excluded_cpu = 0.0
 
   def run_seconds():
     return time.perf_counter() - process_start - excluded
 
   def timings():
     return {"train_s": elapsed["train_s"] + run_seconds(),
-            "cpu_s": elapsed["cpu_s"] + time.process_time() - cpu_start}
+            "cpu_s": elapsed["cpu_s"] + time.process_time() - cpu_start - excluded_cpu}
 
   def run_eval():
-    nonlocal excluded
-    began = time.perf_counter()
+    nonlocal excluded, excluded_cpu
+    began, began_cpu = time.perf_counter(), time.process_time()
     results = setup.evaluate(config, state.params, val_ds)
     writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()} |
                          {f"time/{k}": v for k, v in timings().items()})
     logging.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
     excluded += time.perf_counter() - began
+    excluded_cpu += time.process_time() - began_cpu
     progress.resume(began)
 
   def save():
-    nonlocal excluded
-    began = time.perf_counter()
+    nonlocal excluded, excluded_cpu
+    began, began_cpu = time.perf_counter(), time.process_time()
     writer.flush()
     meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": timings()}
     checkpointer.save(step, state, train_iter.get_state(), meta)
     excluded += time.perf_counter() - began
+    excluded_cpu += time.process_time() - began_cpu
     progress.resume(began)
 
   try:
@@ -196,6 +200,11 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
         state, metrics = train_step(state, batch)
         step += 1
         metrics = jax.device_get(metrics)
+        if step == first_step + 1:  # the first step compiled: leave it out of times and tokens/s
+          compile_s = run_seconds()
+          excluded += compile_s
+          excluded_cpu = time.process_time() - cpu_start
+          progress.restart(step)
         if not step_lib.check_finite(metrics, step, tc.nan_policy):
           logging.warning("Skipped the update of step %d: non-finite metrics.", step)
         accumulator.add(metrics)
@@ -209,7 +218,7 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
           logging.info("%s", progress.line(step, means))
         if tc.eval_every and (step % tc.eval_every == 0 or last):
           run_eval()
-        out_of_time = 0 < tc.time_budget_s <= run_seconds()
+        out_of_time = 0 < tc.time_budget_s <= run_seconds() + compile_s
         if step % tc.checkpoint_every == 0 or last or preemption.requested or out_of_time:
           save()
         if preemption.requested:

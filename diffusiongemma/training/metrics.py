@@ -137,7 +137,8 @@ class MeanAccumulator:
 
 
 class Progress:
-  """The progress line: step, loss, tokens/s and ETA, measured over training time only."""
+  """The progress line: step, loss, tokens/s and ETA, measured over training time only (not
+  compilation, evaluation or checkpointing)."""
 
   def __init__(self, num_steps: int, tokens_per_step: int, start_step: int):
     self.num_steps, self.tokens_per_step = num_steps, tokens_per_step
@@ -151,13 +152,19 @@ class Progress:
     """Excludes the time since `pause()` (evaluation, checkpointing) from the throughput."""
     self._time += time.perf_counter() - paused_at
 
+  def restart(self, step: int) -> None:
+    """Measures from now (e.g. after the first step, so that compilation is not counted)."""
+    self._step, self._time = step, time.perf_counter()
+
   def line(self, step: int, means: Mapping[str, float]) -> str:
     now = time.perf_counter()
     steps = step - self._step
     elapsed = max(now - self._time, 1e-9)
-    self.tokens_per_second = steps * self.tokens_per_step / elapsed
-    eta = (self.num_steps - step) * elapsed / max(steps, 1)
-    self._step, self._time = step, now
+    if steps > 0:
+      self.tokens_per_second = steps * self.tokens_per_step / elapsed
+      self._step, self._time = step, now
+    seconds_per_step = self.tokens_per_step / max(self.tokens_per_second, 1e-9)
+    eta = (self.num_steps - step) * seconds_per_step if self.tokens_per_second else math.nan
     parts = [f"step {step}/{self.num_steps}", f"loss {means.get('loss', math.nan):.4f}",
              f"diffusion {means.get('diffusion_loss', math.nan):.4f}",
              f"ar {means.get('ar_loss', math.nan):.4f}",
@@ -165,7 +172,16 @@ class Progress:
     return " | ".join(parts)
 
 
+def quiet_orbax_logs() -> None:
+  """Hides orbax's INFO chatter (several lines per save) from absl's log; warnings still show."""
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  logging.get_absl_handler().addFilter(
+      lambda r: r.levelno >= std_logging.WARNING or "orbax" not in r.pathname)
+
+
 def _duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return "?"
   seconds = int(round(seconds))
   h, rest = divmod(seconds, 3600)
   m, s = divmod(rest, 60)
