@@ -12,8 +12,6 @@ and reports the median of `--repeats` timed calls after one warm-up (compile) ca
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 from absl import app
 from absl import flags
@@ -21,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import diffusiongemma as dg
+from diffusiongemma import benchmarks
 from diffusiongemma.model import layers
 from diffusiongemma.model import moe
 
@@ -35,13 +34,7 @@ _OUTPUT = flags.DEFINE_string("output", "", "Write the results as JSON here.")
 
 
 def _time(fn, *args) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
-  times = []
-  for _ in range(_REPEATS.value):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return benchmarks.median_seconds(fn, *args, repeats=_REPEATS.value)
 
 
 def _config(num_experts: int, impl: str) -> dg.ModelConfig:

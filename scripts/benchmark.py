@@ -1,0 +1,264 @@
+r"""Diffusion sampling against autoregressive decoding on the same weights, with the machine's limits.
+
+One process, one run, the same parameters and prompts for both decoders:
+- per batch size: new tokens/s, latency per sequence, tokens per denoiser pass, steps per canvas, and
+  the compile time of each decoder reported apart (first call minus a timed run);
+- the denoiser pass's achieved FLOP/s as a fraction of a float32 matmul peak measured here (MFU), and
+  the AR step's achieved bytes/s as a fraction of a measured copy bandwidth (XLA cost analysis counts the
+  FLOPs and bytes);
+- the model's MoE layer against a dense GeGLU MLP with the same active parameters;
+- training tokens/s and MFU of the train step (when `diffusiongemma.training` is installed).
+It writes `<workdir>/benchmark.json`, prints a markdown table and draws two PNG plots (tokens/s against
+batch size; accepted tokens per denoising step across a canvas). Parameters come from the latest
+checkpoint in `--workdir` when there is one, else a random initialisation (say so in results).
+
+  python scripts/benchmark.py --config=configs/tiny.py --workdir=workdir/tiny --quick
+  python scripts/benchmark.py --config=configs/small.py --workdir=workdir/small --batch_sizes=1,4,16
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import platform
+
+from absl import app
+from absl import flags
+from absl import logging
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_flags
+
+import diffusiongemma as dg
+from diffusiongemma import benchmarks
+from diffusiongemma.model import layers
+from diffusiongemma.model import moe
+
+_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoint to benchmark, and where benchmark.json goes.")
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes for both decoders.")
+_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "New tokens per row (0: config.sampler's).")
+_PROMPT_LENGTH = flags.DEFINE_integer("prompt_length", 0, "Prompt tokens (0: config.data.prompt_length).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per figure (median).")
+_QUICK = flags.DEFINE_bool("quick", False, "Smallest sizes: batch sizes 1 and 4, one repeat, small peaks.")
+_OUTPUT = flags.DEFINE_string("output", "", "JSON path (default: <workdir>/benchmark.json).")
+
+
+def _params(config, cfg: dg.ModelConfig, workdir: pathlib.Path):
+  """(params, source): the newest checkpoint's parameters in `workdir`, else a seeded random init."""
+  restore = getattr(getattr(dg, "training", None), "load_params", None)
+  if restore is not None and (workdir / "checkpoints").exists():
+    params, step = restore(config, workdir)
+    return params, f"checkpoint step {step}"
+  model = dg.DiffusionGemma(cfg)
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  canvas = jnp.zeros((1, cfg.canvas_length), jnp.int32)
+  params = jax.jit(lambda r: nn.unbox(model.init(r, tokens, canvas))["params"])(jax.random.key(0))
+  return params, "random init (no checkpoint in the workdir)"
+
+
+def _prompts(cfg: dg.ModelConfig, batch: int, length: int, tokenizer_ids: np.ndarray | None) -> jax.Array:
+  """Prompts: windows of validation tokens when a tokenizer and corpus are at hand, else random ids."""
+  rng = np.random.default_rng(0)
+  if tokenizer_ids is not None and tokenizer_ids.size > batch * length:
+    starts = rng.integers(0, tokenizer_ids.size - length, batch)
+    return jnp.asarray(np.stack([tokenizer_ids[s:s + length] for s in starts]), jnp.int32)
+  return jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, length)), jnp.int32)
+
+
+def _validation_ids(config, workdir: pathlib.Path) -> np.ndarray | None:
+  path = workdir / "tokenizer.model"
+  if not path.exists():
+    return None
+  tokenizer = dg.data.Tokenizer(path)
+  texts = dg.data.load_corpus(config.data.corpus, "validation", text_field=config.data.text_field)
+  return dg.data.tokenize_corpus(texts[:50], tokenizer)
+
+
+def _decoders(sampler, params, prompts, rng, new_tokens, repeats):
+  """Timings and statistics of both decoders at one batch size."""
+  batch = prompts.shape[0]
+  diffusion = lambda: sampler.generate(params, prompts, rng, max_new_tokens=new_tokens)
+  ar = lambda: sampler.autoregressive(params, prompts, rng, max_new_tokens=new_tokens)
+  row = {"batch_size": batch}
+  for name, fn in (("diffusion", diffusion), ("ar", ar)):
+    first, out = benchmarks.first_call_seconds(fn)
+    seconds = benchmarks.median_seconds(fn, repeats=repeats)
+    new = int(np.sum(np.asarray(out.tokens) != sampler.model.config.pad_id))
+    row[f"{name}_seconds"] = seconds
+    row[f"{name}_compile_seconds"] = max(first - seconds, 0.0)
+    row[f"{name}_tokens_per_second"] = new / seconds
+    row[f"{name}_latency_seconds"] = seconds  # every row of the batch finishes within one call
+    row[f"{name}_new_tokens"] = new
+    if name == "diffusion":
+      passes = np.asarray(out.canvas_passes)
+      row["tokens_per_forward"] = float(np.mean(np.asarray(out.tokens_per_forward)))
+      row["steps_per_canvas"] = float(passes[passes > 0].mean()) if (passes > 0).any() else 0.0
+  row["speedup"] = row["diffusion_tokens_per_second"] / row["ar_tokens_per_second"]
+  return row
+
+
+def _efficiency(model, params, prompts, peak_flops, bandwidth, repeats):
+  """MFU of one denoiser pass and the bandwidth fraction of one AR step, at this batch."""
+  cfg = model.config
+  variables = {"params": params}
+  b = prompts.shape[0]
+  _, cache = jax.jit(lambda v, p: model.apply(v, p, model.init_cache(b, p.shape[1] + cfg.canvas_length),
+                                              method=model.encode))(variables, prompts)
+  canvas = jnp.zeros((b, cfg.canvas_length), jnp.int32)
+  denoise = lambda v, c, cc: model.apply(v, c, cc, method=model.denoise)
+  step = lambda v, t, cc: model.apply(v, t, cc, method=model.encode)
+  token = prompts[:, :1]
+  out = {}
+  for name, fn, args in (("denoiser", denoise, (variables, canvas, cache)), ("ar_step", step,
+                                                                          (variables, token, cache))):
+    counted = benchmarks.cost(fn, *args)
+    seconds = benchmarks.median_seconds(jax.jit(fn), *args, repeats=repeats)
+    out[f"{name}_seconds"] = seconds
+    out[f"{name}_flops"] = counted["flops"]
+    out[f"{name}_bytes"] = counted["bytes accessed"]
+    out[f"{name}_mfu"] = counted["flops"] / seconds / peak_flops
+    out[f"{name}_bandwidth_fraction"] = counted["bytes accessed"] / seconds / bandwidth
+  return out
+
+
+def _moe_vs_dense(cfg: dg.ModelConfig, tokens: int, repeats: int) -> dict:
+  """The model's MoE layer (router + experts) against a dense GeGLU of width top_k x expert width."""
+  x = jax.random.normal(jax.random.key(0), (tokens, cfg.hidden_size))
+  router, experts = moe.Router(cfg), moe.Experts(cfg)
+  r_vars = router.init(jax.random.key(1), x)
+  weights, chosen = router.apply(r_vars, x)
+  e_vars = experts.init(jax.random.key(2), x, weights, chosen)
+  layer = jax.jit(lambda rv, ev, h: experts.apply(ev, h, *router.apply(rv, h)))
+  mlp = layers.FeedForward(cfg.hidden_size, cfg.top_k * cfg.moe_intermediate_size, jnp.float32, jnp.float32)
+  m_vars = mlp.init(jax.random.key(3), x[None])
+  moe_s = benchmarks.median_seconds(layer, r_vars, e_vars, x, repeats=repeats)
+  dense_s = benchmarks.median_seconds(jax.jit(mlp.apply), m_vars, x[None], repeats=repeats)
+  return {"tokens": tokens, "moe_seconds": moe_s, "dense_same_active_seconds": dense_s,
+          "moe_over_dense": moe_s / dense_s, "impl": cfg.moe_impl, "experts": cfg.num_experts,
+          "top_k": cfg.top_k}
+
+
+def _training(config, cfg: dg.ModelConfig, peak_flops: float, repeats: int) -> dict | None:
+  measure = getattr(getattr(dg, "training", None), "benchmark_train_step", None)
+  if measure is None:
+    return None
+  result = measure(config, repeats=repeats)
+  result["mfu"] = result["flops_per_step"] / result["seconds_per_step"] / peak_flops
+  return result
+
+
+def _plots(results: dict, trace_counts: np.ndarray, directory: pathlib.Path) -> list[str]:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  rows = results["decoding"]
+  batches = [r["batch_size"] for r in rows]
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  ax.plot(batches, [r["diffusion_tokens_per_second"] for r in rows], "o-", label="diffusion")
+  ax.plot(batches, [r["ar_tokens_per_second"] for r in rows], "s-", label="autoregressive")
+  ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="new tokens / s",
+         title=f"{results['config']} on {results['machine']['backend']}")
+  ax.legend()
+  fig.tight_layout()
+  paths = [directory / "benchmark_tokens_per_second.png"]
+  fig.savefig(paths[0], dpi=120)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  steps = np.arange(1, trace_counts.shape[0] + 1)
+  ax.bar(steps, trace_counts)
+  ax.set(xlabel="denoising step", ylabel="accepted tokens (mean over rows)",
+         title="accepted tokens per step, first canvas")
+  fig.tight_layout()
+  paths.append(directory / "benchmark_accepted_per_step.png")
+  fig.savefig(paths[1], dpi=120)
+  plt.close(fig)
+  return [str(p) for p in paths]
+
+
+def _table(results: dict) -> str:
+  lines = ["| batch | diffusion tok/s | AR tok/s | diffusion / AR | tokens per forward | steps per canvas | "
+           "diffusion compile s | AR compile s |", "|---" * 8 + "|"]
+  for r in results["decoding"]:
+    lines.append(f"| {r['batch_size']} | {r['diffusion_tokens_per_second']:.1f} | "
+                 f"{r['ar_tokens_per_second']:.1f} | {r['speedup']:.2f} | {r['tokens_per_forward']:.2f} | "
+                 f"{r['steps_per_canvas']:.1f} | {r['diffusion_compile_seconds']:.1f} | "
+                 f"{r['ar_compile_seconds']:.1f} |")
+  e = results["efficiency"]
+  lines.append("")
+  lines.append(f"denoiser pass (batch {e['batch_size']}): MFU {100 * e['denoiser_mfu']:.1f}% of a measured "
+               f"{results['machine']['matmul_peak_gflops']:.0f} GFLOP/s; AR step: "
+               f"{100 * e['ar_step_bandwidth_fraction']:.1f}% of a measured "
+               f"{results['machine']['copy_bandwidth_gbps']:.1f} GB/s copy bandwidth")
+  m = results["moe"]
+  lines.append(f"MoE layer ({m['experts']} experts, top-{m['top_k']}, {m['impl']}): "
+               f"{1e3 * m['moe_seconds']:.1f} ms vs {1e3 * m['dense_same_active_seconds']:.1f} ms for a dense "
+               f"MLP of the same active width ({m['moe_over_dense']:.2f}x) at {m['tokens']} tokens")
+  if results.get("training"):
+    t = results["training"]
+    lines.append(f"training: {t['tokens_per_second']:.0f} tokens/s, MFU {100 * t['mfu']:.1f}%")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  workdir = pathlib.Path(_WORKDIR.value or "workdir/benchmark")
+  workdir.mkdir(parents=True, exist_ok=True)
+  quick = _QUICK.value
+  repeats = 1 if quick else _REPEATS.value
+  batch_sizes = [1, 4] if quick else [int(b) for b in _BATCH_SIZES.value]
+  cfg = dg.ModelConfig.from_dict(config.model)
+  model = dg.DiffusionGemma(cfg)
+  params, source = _params(config, cfg, workdir)
+  sampler_config = dg.SamplerConfig.from_dict(config.sampler)
+  sampler = dg.Sampler(model, sampler_config)
+  new_tokens = _NEW_TOKENS.value or config.sampler.max_new_tokens
+  prompt_length = _PROMPT_LENGTH.value or config.data.prompt_length
+  ids = _validation_ids(config, workdir)
+
+  peak = benchmarks.matmul_peak_flops(1024 if quick else 2048, repeats=max(repeats, 2))
+  bandwidth = benchmarks.copy_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 2))
+  results = {
+      "config": pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem,
+      "params": source,
+      "model": {"total_parameters": dg.model.count_parameters(cfg)["total"],
+                "active_parameters": dg.model.count_parameters(cfg)["active"],
+                "canvas_length": cfg.canvas_length},
+      "sampler": {"max_new_tokens": new_tokens, "prompt_length": prompt_length, **sampler_config.__dict__},
+      "machine": {"backend": jax.default_backend(), "devices": jax.device_count(),
+                  "processor": platform.processor() or platform.machine(),
+                  "matmul_peak_gflops": peak / 1e9, "copy_bandwidth_gbps": bandwidth / 1e9},
+      "decoding": [],
+  }
+  rng = jax.random.key(1)
+  for batch in batch_sizes:
+    prompts = _prompts(cfg, batch, prompt_length, ids)
+    row = _decoders(sampler, params, prompts, rng, new_tokens, repeats)
+    results["decoding"].append(row)
+    logging.info("batch %d: %s", batch, row)
+  prompts = _prompts(cfg, batch_sizes[-1], prompt_length, ids)
+  results["efficiency"] = {"batch_size": batch_sizes[-1],
+                           **_efficiency(model, params, prompts, peak, bandwidth, repeats)}
+  results["moe"] = _moe_vs_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
+  results["training"] = _training(config, cfg, peak, repeats)
+
+  traced = sampler.generate(params, _prompts(cfg, batch_sizes[-1], prompt_length, ids), rng,
+                            max_new_tokens=cfg.canvas_length, return_trace=True)
+  accepted = np.asarray(traced.trace.accepted[0]).sum(-1).mean(-1)  # [steps]
+  passes = int(np.asarray(traced.canvas_passes)[:, 0].max())
+  results["accepted_per_step"] = accepted[:max(passes, 1)].tolist()
+  output = pathlib.Path(_OUTPUT.value) if _OUTPUT.value else workdir / "benchmark.json"
+  results["plots"] = _plots(results, accepted[:max(passes, 1)], output.parent)
+  output.write_text(json.dumps(results, indent=2, default=float))
+  print(_table(results))
+  print(f"wrote {output} and {', '.join(results['plots'])}")
+
+
+if __name__ == "__main__":
+  flags.mark_flag_as_required("config")
+  app.run(main)
