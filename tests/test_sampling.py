@@ -218,6 +218,9 @@ def test_one_program_no_retrace_and_outputs(params, sampler):
                            prompt_lengths=[3, 6, 8])
   jax.block_until_ready(again)
   assert sampler.trace_count == 1  # new prompts, lengths, keys and max_new_tokens in the same bucket
+  twin = dg.Sampler(dg.DiffusionGemma(TINY), dg.SamplerConfig(**vars(CONFIG)))  # equal, not the same
+  np.testing.assert_array_equal(twin.generate(params, _prompts(0), _keys(1, 2, 3), NEW).tokens, out.tokens)
+  assert twin.trace_count == sampler.trace_count == 1
   assert out.tokens.shape == (B, NEW) and out.tokens.dtype == jnp.int32
   passes = np.asarray(out.canvas_passes)
   assert ((passes >= 0) & (passes <= CONFIG.max_denoising_steps)).all()

@@ -5,6 +5,8 @@ Axes: B batch, L prompt length, C canvas, K canvases, N steps, V vocab.
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
 from collections.abc import Mapping
 
@@ -79,10 +81,13 @@ class Sampler:
     4. encode the committed canvas into the KV cache and go on to the next canvas.
 
   The whole of it is one `jax.jit` program (a `lax.while_loop` over canvases around a `lax.while_loop`
-  over steps), compiled once per (batch size, prompt-length bucket, number of canvases): no host round
-  trip per step. Randomness is per row (one key per row, folded with the canvas and step indices), so a
+  over steps), compiled once per (model, config, batch size, prompt-length bucket, number of canvases):
+  the sampler is a static argument (hashed by its frozen model and config, so equal samplers share
+  programs) and nothing returns to the host between steps. Randomness is per row (one key per row, folded with the canvas and step indices), so a
   row's output does not depend on the other rows of its batch.
   """
+
+  _traces: collections.Counter = collections.Counter()  # (model, config) -> traces of its program
 
   def __init__(self, model: nn.Module, config: SamplerConfig | None = None):
     self.model = model
@@ -99,9 +104,20 @@ class Sampler:
     if config.noise == "masked" and not 0 <= steps.mask_token(config, mc.vocab_size) < mc.vocab_size:
       raise ValueError(f"SamplerConfig.mask_token_id={config.mask_token_id} is outside the vocabulary "
                        f"[0, {mc.vocab_size}).")
-    self.trace_count = 0  # how many times the generation program was traced (compiled)
-    self._generate = jax.jit(self._program, static_argnames=("num_canvases", "return_trace"))
-    self._ar = jax.jit(self._ar_program, static_argnames=("max_new_tokens",))
+
+  def _key(self):
+    return (self.model, self.config)
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __eq__(self, other):
+    return isinstance(other, Sampler) and self._key() == other._key()
+
+  @property
+  def trace_count(self) -> int:
+    """How many times the generation program of this (model, config) was traced (= compiled)."""
+    return Sampler._traces[self._key()]
 
   @property
   def canvas_length(self) -> int:
@@ -181,8 +197,8 @@ class Sampler:
                                     num_canvases * self.canvas_length)
     b = prompt.shape[0]
     canvas, num_given = self._initial_canvas(initial_canvas, b, num_canvases)
-    return self._generate(_variables(params), prompt, lengths, canvas, num_given, row_keys(rng, b),
-                          num_canvases=num_canvases, return_trace=return_trace)
+    return self._program(_variables(params), prompt, lengths, canvas, num_given, row_keys(rng, b),
+                         num_canvases=num_canvases, return_trace=return_trace)
 
   def _denoiser(self, variables, cache: KVCache) -> steps.Denoiser:
     model = self.model
@@ -205,9 +221,10 @@ class Sampler:
       canvas = steps.uniform_tokens(init_keys, mc.canvas_length, mc.vocab_size)
     return canvas, step_keys
 
+  @functools.partial(jax.jit, static_argnames=("self", "num_canvases", "return_trace"))
   def _program(self, variables, prompt, lengths, initial, num_given, keys, *, num_canvases: int,
                return_trace: bool):
-    self.trace_count += 1
+    Sampler._traces[self._key()] += 1
     cfg, mc = self.config, self.model.config
     b, c = prompt.shape[0], mc.canvas_length
     stop_tokens = jnp.asarray(self.stop_tokens, jnp.int32)
@@ -263,9 +280,10 @@ class Sampler:
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
       raise ValueError(f"top_p={top_p!r} is invalid: must lie in (0, 1].")
     prompt, lengths = self._prepare(prompt_tokens, prompt_lengths, max_new_tokens, max_new_tokens)
-    return self._ar(_variables(params), prompt, lengths, row_keys(rng, prompt.shape[0]),
-                    jnp.float32(temperature), jnp.float32(top_p), max_new_tokens=int(max_new_tokens))
+    return self._ar_program(_variables(params), prompt, lengths, row_keys(rng, prompt.shape[0]),
+                            jnp.float32(temperature), jnp.float32(top_p), max_new_tokens=int(max_new_tokens))
 
+  @functools.partial(jax.jit, static_argnames=("self", "max_new_tokens"))
   def _ar_program(self, variables, prompt, lengths, keys, temperature, top_p, *, max_new_tokens: int):
     mc = self.model.config
     cache = KVCache.empty(mc, prompt.shape[0], prompt.shape[1] + max_new_tokens)
