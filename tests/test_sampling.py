@@ -267,6 +267,8 @@ def test_prompts_of_different_lengths_in_one_batch(params, sampler):
   prompts = _prompts(6, lengths)
   keys = _keys(20, 21, 22)
   mixed = sampler.generate(params, prompts, keys, max_new_tokens=NEW, prompt_lengths=lengths)
+  ragged = sampler.generate(params, [list(p[:n]) for p, n in zip(prompts, lengths)], keys, np.int64(NEW))
+  np.testing.assert_array_equal(ragged.tokens, mixed.tokens)
   for i, n in enumerate(lengths):
     alone = sampler.generate(params, np.repeat(prompts[i:i + 1, :n], B, 0), jnp.stack([keys[i]] * B),
                              max_new_tokens=NEW)

@@ -50,6 +50,13 @@ def _variables(params) -> dict:
   return {"params": params}
 
 
+def _check_max_new_tokens(max_new_tokens) -> int:
+  if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
+      or max_new_tokens < 1):
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an integer >= 1.")
+  return int(max_new_tokens)
+
+
 def row_keys(rng, batch_size: int) -> Array:
   """One typed PRNG key per row: a single key is split; [B] keys (typed or raw) are used as given."""
   rng = jnp.asarray(rng) if not isinstance(rng, jax.Array) else rng
@@ -83,8 +90,9 @@ class Sampler:
   The whole of it is one `jax.jit` program (a `lax.while_loop` over canvases around a `lax.while_loop`
   over steps), compiled once per (model, config, batch size, prompt-length bucket, number of canvases):
   the sampler is a static argument (hashed by its frozen model and config, so equal samplers share
-  programs) and nothing returns to the host between steps. Randomness is per row (one key per row, folded with the canvas and step indices), so a
-  row's output does not depend on the other rows of its batch.
+  programs) and nothing returns to the host between steps. Randomness is per row (one key per row,
+  folded with the canvas and step indices), so a row's output does not depend on the other rows of its
+  batch.
   """
 
   _traces: collections.Counter = collections.Counter()  # (model, config) -> traces of its program
@@ -124,12 +132,18 @@ class Sampler:
     return self.model.config.canvas_length
 
   # ---------------------------------------------------------------------------------------- inputs
-  def _prepare(self, prompt_tokens, prompt_lengths, max_new_tokens: int, new_positions: int):
-    """Validated, bucket-padded prompts [B, L'] and lengths [B] (host-side, before compiling)."""
+  def _prepare(self, prompt_tokens, prompt_lengths, new_positions: int):
+    """Validated, bucket-padded prompts [B, L'] and lengths [B] (host-side, before compiling).
+
+    `prompt_tokens` may also be a list of token lists of different lengths (padded here).
+    """
     mc = self.model.config
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
-        or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid: must be an integer >= 1.")
+    ragged = isinstance(prompt_tokens, (list, tuple)) and prompt_tokens and all(
+        isinstance(p, (list, tuple, np.ndarray)) for p in prompt_tokens)
+    if ragged and prompt_lengths is None and len({len(p) for p in prompt_tokens}) > 1:
+      prompt_lengths = [len(p) for p in prompt_tokens]
+      width = max(prompt_lengths)
+      prompt_tokens = [list(p) + [mc.pad_id] * (width - len(p)) for p in prompt_tokens]
     prompt = np.asarray(prompt_tokens)
     if prompt.ndim == 1:
       prompt = prompt[None]
@@ -192,9 +206,8 @@ class Sampler:
     or [B] keys; initial_canvas [B, k * C]: the starting tokens of the first k canvases (instead of
     random ones), e.g. the reference's `decoder_input_ids`.
     """
-    num_canvases = math.ceil(max_new_tokens / self.canvas_length) if isinstance(max_new_tokens, int) else 0
-    prompt, lengths = self._prepare(prompt_tokens, prompt_lengths, max_new_tokens,
-                                    num_canvases * self.canvas_length)
+    num_canvases = math.ceil(_check_max_new_tokens(max_new_tokens) / self.canvas_length)
+    prompt, lengths = self._prepare(prompt_tokens, prompt_lengths, num_canvases * self.canvas_length)
     b = prompt.shape[0]
     canvas, num_given = self._initial_canvas(initial_canvas, b, num_canvases)
     return self._program(_variables(params), prompt, lengths, canvas, num_given, row_keys(rng, b),
@@ -279,9 +292,10 @@ class Sampler:
       raise ValueError(f"temperature={temperature!r} is invalid: must be >= 0 (0 is greedy).")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
       raise ValueError(f"top_p={top_p!r} is invalid: must lie in (0, 1].")
-    prompt, lengths = self._prepare(prompt_tokens, prompt_lengths, max_new_tokens, max_new_tokens)
+    max_new_tokens = _check_max_new_tokens(max_new_tokens)
+    prompt, lengths = self._prepare(prompt_tokens, prompt_lengths, max_new_tokens)
     return self._ar_program(_variables(params), prompt, lengths, row_keys(rng, prompt.shape[0]),
-                            jnp.float32(temperature), jnp.float32(top_p), max_new_tokens=int(max_new_tokens))
+                            jnp.float32(temperature), jnp.float32(top_p), max_new_tokens=max_new_tokens)
 
   @functools.partial(jax.jit, static_argnames=("self", "max_new_tokens"))
   def _ar_program(self, variables, prompt, lengths, keys, temperature, top_p, *, max_new_tokens: int):
