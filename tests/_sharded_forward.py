@@ -49,6 +49,10 @@ def main():
     got = jax.jit(forward, in_shardings=(shardings, batch, batch))(params, prompt, canvas)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
     print(f"mesh {sizes}: max |sharded - one device| = {np.abs(np.asarray(got) - want).max():.2e}")
+    sampler = dg.Sampler(model, dg.SamplerConfig(max_denoising_steps=6, prompt_bucket=8))
+    sharded = sampler.generate(params, prompt, jax.random.key(3), max_new_tokens=16)
+    single = sampler.generate(want_params, prompt, jax.random.key(3), max_new_tokens=16)
+    np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
   print("OK")
 
 
