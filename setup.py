@@ -21,9 +21,11 @@ setuptools.setup(
         "numpy",
         "safetensors",
         "tqdm",
+        "tensorboardX",
+        "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "chex"],
+        "test": ["pytest", "chex", "nbclient", "nbformat", "ipykernel"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
     },

@@ -6,6 +6,7 @@ from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
 from diffusiongemma import sampling
 from diffusiongemma import diffusion
 from diffusiongemma import training
+from diffusiongemma import parallel
 from diffusiongemma.sampling import Sampler, SamplerConfig
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "sampling",
     "diffusion",
     "training",
+    "parallel",
 ]
