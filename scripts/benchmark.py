@@ -25,7 +25,6 @@ import platform
 from absl import app
 from absl import flags
 from absl import logging
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +34,7 @@ import diffusiongemma as dg
 from diffusiongemma import benchmarks
 from diffusiongemma.model import layers
 from diffusiongemma.model import moe
+from diffusiongemma.sampling import runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoint to benchmark, and where benchmark.json goes.")
@@ -46,17 +46,13 @@ _QUICK = flags.DEFINE_bool("quick", False, "Smallest sizes: batch sizes 1 and 4,
 _OUTPUT = flags.DEFINE_string("output", "", "JSON path (default: <workdir>/benchmark.json).")
 
 
-def _params(config, cfg: dg.ModelConfig, workdir: pathlib.Path):
+def _params(cfg: dg.ModelConfig, workdir: pathlib.Path):
   """(params, source): the newest checkpoint's parameters in `workdir`, else a seeded random init."""
-  restore = getattr(getattr(dg, "training", None), "load_params", None)
-  if restore is not None and (workdir / "checkpoints").exists():
-    params, step = restore(config, workdir)
-    return params, f"checkpoint step {step}"
-  model = dg.DiffusionGemma(cfg)
-  tokens = jnp.zeros((1, 2), jnp.int32)
-  canvas = jnp.zeros((1, cfg.canvas_length), jnp.int32)
-  params = jax.jit(lambda r: nn.unbox(model.init(r, tokens, canvas))["params"])(jax.random.key(0))
-  return params, "random init (no checkpoint in the workdir)"
+  restored = runner.restore_workdir_params(workdir)
+  if restored is not None:
+    variables, step = restored
+    return variables["params"], f"checkpoint step {step}"
+  return runner.random_params(dg.DiffusionGemma(cfg))["params"], "random init (no checkpoint in the workdir)"
 
 
 def _prompts(cfg: dg.ModelConfig, batch: int, length: int, tokenizer_ids: np.ndarray | None) -> jax.Array:
@@ -141,7 +137,7 @@ def _moe_vs_dense(cfg: dg.ModelConfig, tokens: int, repeats: int) -> dict:
           "top_k": cfg.top_k}
 
 
-def _training(config, cfg: dg.ModelConfig, peak_flops: float, repeats: int) -> dict | None:
+def _training(config, peak_flops: float, repeats: int) -> dict | None:
   measure = getattr(getattr(dg, "training", None), "benchmark_train_step", None)
   if measure is None:
     return None
@@ -214,7 +210,8 @@ def main(argv):
   batch_sizes = [1, 4] if quick else [int(b) for b in _BATCH_SIZES.value]
   cfg = dg.ModelConfig.from_dict(config.model)
   model = dg.DiffusionGemma(cfg)
-  params, source = _params(config, cfg, workdir)
+  params, source = _params(cfg, workdir)
+  counts = dg.model.count_parameters(cfg)
   sampler_config = dg.SamplerConfig.from_dict(config.sampler)
   sampler = dg.Sampler(model, sampler_config)
   new_tokens = _NEW_TOKENS.value or config.sampler.max_new_tokens
@@ -226,8 +223,7 @@ def main(argv):
   results = {
       "config": pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem,
       "params": source,
-      "model": {"total_parameters": dg.model.count_parameters(cfg)["total"],
-                "active_parameters": dg.model.count_parameters(cfg)["active"],
+      "model": {"total_parameters": counts["total"], "active_parameters": counts["active"],
                 "canvas_length": cfg.canvas_length},
       "sampler": {"max_new_tokens": new_tokens, "prompt_length": prompt_length, **sampler_config.__dict__},
       "machine": {"backend": jax.default_backend(), "devices": jax.device_count(),
@@ -241,19 +237,17 @@ def main(argv):
     row = _decoders(sampler, params, prompts, rng, new_tokens, repeats)
     results["decoding"].append(row)
     logging.info("batch %d: %s", batch, row)
-  prompts = _prompts(cfg, batch_sizes[-1], prompt_length, ids)
   results["efficiency"] = {"batch_size": batch_sizes[-1],
                            **_efficiency(model, params, prompts, peak, bandwidth, repeats)}
   results["moe"] = _moe_vs_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
-  results["training"] = _training(config, cfg, peak, repeats)
+  results["training"] = _training(config, peak, repeats)
 
-  traced = sampler.generate(params, _prompts(cfg, batch_sizes[-1], prompt_length, ids), rng,
-                            max_new_tokens=cfg.canvas_length, return_trace=True)
-  accepted = np.asarray(traced.trace.accepted[0]).sum(-1).mean(-1)  # [steps]
-  passes = int(np.asarray(traced.canvas_passes)[:, 0].max())
-  results["accepted_per_step"] = accepted[:max(passes, 1)].tolist()
+  traced = sampler.generate(params, prompts, rng, max_new_tokens=cfg.canvas_length, return_trace=True)
+  accepted = runner.accepted_per_step(traced)[0]  # [steps] of the first canvas; NaN after every row stopped
+  accepted = accepted[~np.isnan(accepted)]
+  results["accepted_per_step"] = accepted.tolist()
   output = pathlib.Path(_OUTPUT.value) if _OUTPUT.value else workdir / "benchmark.json"
-  results["plots"] = _plots(results, accepted[:max(passes, 1)], output.parent)
+  results["plots"] = _plots(results, accepted, output.parent)
   output.write_text(json.dumps(results, indent=2, default=float))
   print(_table(results))
   print(f"wrote {output} and {', '.join(results['plots'])}")
