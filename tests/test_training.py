@@ -127,7 +127,7 @@ def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
   params = jax.tree.map(lambda x: x, state.params)
   params["params"]["embedder"]["input_embedding"] = params["params"]["embedder"]["input_embedding"].at[
       5].set(jnp.nan)
-  state = jax.device_put(state.replace(params=params), setup.replicated)
+  state = jax.device_put(state.replace(params=params), setup.state_shardings)
   before = jax.device_get(state)
   batch = inputs.to_global({"tokens": np.full((4, 24), 5, np.int32),
                             "prompt_length": np.full((4,), 8, np.int32)}, setup.batch_sharding)
@@ -208,7 +208,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch
   fails("num_canvases must be >= 1", **{"data.num_canvases": 0})
   fails("more than model.vocab_size", **{"model.vocab_size": 300})
   monkeypatch.setattr(inputs.jax, "device_count", lambda: 8)
-  fails("batch_size=4 is not divisible by the 8 devices", **{})
+  fails(r"batch_size=4 is not divisible by the 8 batch shards of the mesh \(data\*fsdp\*expert", **{})
   monkeypatch.undo()
   with pytest.raises(FileNotFoundError, match="No checkpoints"):
     training.evaluate(_config(corpus), tmp_path / "never_trained")

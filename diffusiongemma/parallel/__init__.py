@@ -14,3 +14,9 @@ from diffusiongemma.parallel.mesh import replicated
 
 __all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "batch_sharding", "init_params", "logical_rules",
            "make_mesh", "mesh_shape", "param_shardings", "param_specs", "replicated"]
+
+from diffusiongemma.parallel.distributed import initialize_distributed  # pylint: disable=g-import-not-at-top
+from diffusiongemma.parallel.distributed import is_main_process  # pylint: disable=g-import-not-at-top
+from diffusiongemma.parallel.distributed import sync  # pylint: disable=g-import-not-at-top
+
+__all__ += ["initialize_distributed", "is_main_process", "sync"]

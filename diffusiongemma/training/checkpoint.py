@@ -112,5 +112,43 @@ class Checkpointer:
     self.manager.close()
 
 
-def abstract_with_sharding(tree, sharding: jax.sharding.Sharding):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+def abstract_with_sharding(tree, sharding):
+  """`tree` as ShapeDtypeStructs placed by `sharding`: one sharding for every leaf, or a matching tree."""
+  if isinstance(sharding, jax.sharding.Sharding):
+    sharding = jax.tree.map(lambda _: sharding, tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
+
+
+def load_params(workdir: os.PathLike | str, *, step: int | None = None, shardings=None) -> tuple[Any, int]:
+  """(variables `{'params': ...}`, step) of the checkpoint at `step` (default: the latest) in
+  `workdir/checkpoints`, reading only the parameters: no optimizer or config is rebuilt, so any code
+  that has the model (sampling, conversion, evaluation elsewhere) can use a training run's weights.
+
+  `shardings` places them: one sharding for every array, or a tree of shardings matching the
+  variables or their `'params'` subtree (e.g. `parallel.param_shardings`); default: the first local
+  device. Dtypes are those saved (float32 master weights unless the config says otherwise).
+  """
+  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+  if not steps:
+    raise FileNotFoundError(f"No checkpoints in {str(directory)!r}: train first (scripts/train.py).")
+  step = steps[-1] if step is None else int(step)
+  if step not in steps:
+    raise ValueError(f"No checkpoint at step {step} in {str(directory)!r}; available: {steps}.")
+  path = directory / str(step) / "state"
+  checkpointer = ocp.PyTreeCheckpointer()
+  saved = checkpointer.metadata(path).item_metadata.tree["params"]
+  if shardings is None:
+    shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  if isinstance(shardings, Mapping) and "params" not in shardings and "params" in saved:
+    shardings = {"params": shardings}
+  try:
+    target = abstract_with_sharding(saved, shardings)
+  except ValueError as e:
+    raise ValueError(f"The shardings do not match the parameters saved at step {step} in "
+                     f"{str(directory)!r}: {e}") from e
+  restore_args = jax.tree.map(
+      lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), target)
+  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+      item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+  return restored["params"], step

@@ -40,7 +40,8 @@ def evaluate_params(eval_step: Callable, params, batches: Iterable, *, num_batch
   for i, batch in enumerate(batches):
     if i >= num_batches:
       break
-    metrics = jax.device_get(eval_step(params, to_global(batch), jax.random.fold_in(base, i)))
+    rng = np.asarray(jax.random.fold_in(base, i))  # host data: the same on every process
+    metrics = jax.device_get(eval_step(params, to_global(batch), rng))
     for k, v in metrics.items():
       sums[k] = sums.get(k, 0.0) + float(v)
     count += 1

@@ -1,4 +1,4 @@
-"""From a config to the objects training and evaluation need: configs, tokenizer, datasets, shardings.
+"""From a config to the objects training and evaluation need: configs, tokenizer, datasets, the mesh.
 
 Everything is validated here, before anything is written to the workdir, so that a bad config fails
 with a message naming the field and loses nothing.
@@ -6,14 +6,16 @@ with a message naming the field and loses nothing.
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from diffusiongemma import data as data_lib
+from diffusiongemma import parallel
 from diffusiongemma.diffusion import loss as loss_lib
 from diffusiongemma.diffusion import noise as noise_lib
 from diffusiongemma.model import ModelConfig
@@ -53,10 +55,16 @@ def validate(config) -> tuple[ModelConfig, loss_lib.LossConfig]:
   for name in ("num_steps", "warmup_steps", "eval_every", "eval_batches"):
     if train[name] < 0:
       raise ValueError(f"config.train.{name} must be >= 0, got {train[name]}.")
-  devices = jax.device_count()
-  if train.batch_size % devices:
-    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the "
-                     f"{devices} devices; use a multiple of {devices}.")
+  sizes = parallel.mesh_shape(config.mesh)
+  parallel.logical_rules(config.mesh)
+  shards = math.prod(sizes[a] for a in parallel.BATCH_AXES)
+  if train.batch_size % shards:
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the {shards} batch "
+                     f"shards of the mesh (data*fsdp*expert of {sizes}); use a multiple of {shards}.")
+  processes = jax.process_count()
+  if train.batch_size % processes:
+    raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the {processes} "
+                     f"processes, which each read batch_size / {processes} rows.")
   for name in ("prompt_length", "num_canvases"):
     if config.data[name] < 1:
       raise ValueError(f"config.data.{name} must be >= 1, got {config.data[name]}.")
@@ -77,15 +85,23 @@ def get_tokenizer(config, workdir, model_cfg: ModelConfig,
   """The configured tokenizer, or `workdir/tokenizer.model` (trained on the train split if missing).
 
   With masked noise the mask token must be outside the tokenizer: a tokenizer trained here gets at
-  most `mask_token_id` pieces.
+  most `mask_token_id` pieces. Only process 0 trains it; the others wait for the file.
   """
   mask = _mask_token(model_cfg, loss_cfg)
   vocab_size = int(config.data.vocab_size)
   if mask is not None and not config.data.tokenizer_path:
     vocab_size = min(vocab_size, mask)
-  tokenizer = data_lib.get_tokenizer(
+  load = lambda: data_lib.get_tokenizer(
       workdir, config.data.tokenizer_path or None,
       corpus_texts_fn=lambda: load_split(config, "train"), vocab_size=vocab_size)
+  if config.data.tokenizer_path:
+    tokenizer = load()
+  elif parallel.is_main_process():  # trains workdir/tokenizer.model if missing; the others then read it
+    tokenizer = load()
+    parallel.sync("tokenizer")
+  else:
+    parallel.sync("tokenizer")
+    tokenizer = load()
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"The tokenizer has {tokenizer.vocab_size} pieces, more than "
                      f"model.vocab_size={model_cfg.vocab_size}.")
@@ -101,31 +117,36 @@ def load_split(config, split: str) -> list[str]:
                               validation_fraction=config.data.validation_fraction)
 
 
-def make_dataset(config, workdir, tokenizer, model_cfg: ModelConfig, split: str):
-  """The grain dataset of this process's shard of `split` (train: shuffled and repeated)."""
-  processes = jax.process_count()
+def make_dataset(config, workdir, tokenizer, model_cfg: ModelConfig, split: str, *,
+                 shard_index: int | None = None, shard_count: int | None = None):
+  """The grain dataset of this process's shard of `split` (train: shuffled and repeated).
+
+  Process i of n reads shard i of n, with batch_size / n rows per batch: its rows of every global
+  batch. `shard_index` and `shard_count` override the process's (to rebuild another process's input).
+  """
+  shard_count = jax.process_count() if shard_count is None else shard_count
+  shard_index = jax.process_index() if shard_index is None else shard_index
   return data_lib.make_dataset(
       load_split(config, split), tokenizer, prompt_length=config.data.prompt_length,
       canvas_length=model_cfg.canvas_length, num_canvases=config.data.num_canvases,
-      batch_size=config.train.batch_size // processes, seed=config.train.seed,
-      train=split == "train", shard_index=jax.process_index(), shard_count=processes,
+      batch_size=config.train.batch_size // shard_count, seed=config.train.seed,
+      train=split == "train", shard_index=shard_index, shard_count=shard_count,
       cache_dir=pathlib.Path(workdir) / CACHE_DIRNAME)
 
 
-def make_mesh() -> jax.sharding.Mesh:
-  """A 1-D data-parallel mesh over every device (parameters replicated)."""
-  return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+def make_mesh(config) -> jax.sharding.Mesh:
+  """The (data, fsdp, expert, tensor) mesh of `config.mesh` over every device of every process."""
+  return parallel.make_mesh(config.mesh)
 
 
-def shardings(mesh) -> tuple[NamedSharding, NamedSharding]:
-  """(replicated, batch-sharded) shardings."""
-  return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+def batch_sharding(mesh) -> NamedSharding:
+  """Every batch array ([B] or [B, L]) split along its first axis over the batch axes of `mesh`."""
+  return parallel.batch_sharding(mesh, ndim=1)
 
 
-def to_global(batch, batch_sharding: NamedSharding):
-  """A process-local numpy batch as global jax arrays sharded over the data axis."""
-  return {k: jax.make_array_from_process_local_data(batch_sharding, np.asarray(v))
-          for k, v in batch.items()}
+def to_global(batch, sharding: NamedSharding):
+  """A process-local numpy batch (this process's rows) as global jax arrays in `sharding`."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
 def workdir_path(workdir: os.PathLike | str) -> pathlib.Path:

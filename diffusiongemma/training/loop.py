@@ -10,6 +10,11 @@ SIGTERM (preemption) saves a checkpoint after the current step and returns clean
 
 Order of work per step: one batch, one jitted update, the NaN/Inf guard, then (at their intervals)
 the log line, evaluation and the checkpoint; metrics are flushed before a checkpoint is written.
+
+The state lives on the (data, fsdp, expert, tensor) mesh of `config.mesh`: parameters and optimizer
+moments sharded by the logical rules, batches split over the batch axes. With several processes
+(`parallel.initialize_distributed`) every process runs this same loop on its rows of each batch;
+checkpoints are written by all of them together, the config and metrics by process 0 alone.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from absl import logging
 import jax
 
+from diffusiongemma import parallel
 from diffusiongemma.model import DiffusionGemma
 from diffusiongemma.training import checkpoint as ckpt_lib
 from diffusiongemma.training import evaluation
@@ -58,6 +64,8 @@ class _Preemption:
 
 
 def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
+  if not parallel.is_main_process():
+    return
   path = workdir / ckpt_lib.CONFIG_FILENAME
   tmp = path.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(config_json, indent=2, sort_keys=True), encoding="utf-8")
@@ -65,22 +73,25 @@ def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
 
 
 @functools.lru_cache(maxsize=4)
-def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh):
-  """Model, optimizer, schedule, abstract state and jitted steps, cached so that a process calling
-  `train` or `evaluate` again with the same configs (resuming, notebooks, tests) compiles once."""
+def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh, rules):
+  """Model, optimizer, schedule, abstract state, its shardings and the jitted steps, cached so that a
+  process calling `train` or `evaluate` again with the same configs (resuming, notebooks, tests)
+  compiles once."""
   model = DiffusionGemma(model_cfg)
   train = dict(optimizer_items)
   optimizer = optim.make_optimizer(train)
   schedule = optim.learning_rate_schedule(train)
-  replicated, batch_sharding = inputs.shardings(mesh)
+  batch_sharding = inputs.batch_sharding(mesh)
   abstract_state = state_lib.abstract_train_state(model, optimizer, seed=seed)
-  init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=replicated)
+  shardings = state_lib.state_shardings(model, optimizer, mesh, seed=seed, rules=rules)
+  init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=shardings)
   train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
-                                        schedule=schedule, state_sharding=replicated,
+                                        schedule=schedule, state_sharding=shardings,
                                         batch_sharding=batch_sharding)
   eval_step = step_lib.make_eval_step(model, evaluation.eval_loss_config(loss_cfg),
-                                      num_canvases=num_canvases)
-  return model, optimizer, schedule, abstract_state, init_fn, train_step, eval_step
+                                      num_canvases=num_canvases, params_sharding=shardings.params,
+                                      batch_sharding=batch_sharding)
+  return model, optimizer, schedule, abstract_state, shardings, init_fn, train_step, eval_step
 
 
 class _Setup:
@@ -91,15 +102,18 @@ class _Setup:
     self.config_json = ckpt_lib.config_to_json(config)
     self.model_cfg, self.loss_cfg = inputs.validate(config)
     self.num_canvases = config.data.num_canvases
-    self.mesh = inputs.make_mesh()
-    self.replicated, self.batch_sharding = inputs.shardings(self.mesh)
+    self.mesh = inputs.make_mesh(config)
+    self.batch_sharding = inputs.batch_sharding(self.mesh)
     optimizer_items = tuple((k, config.train[k]) for k in optim.OPTIMIZER_FIELDS)
-    (self.model, self.optimizer, self.schedule, self.abstract_state, self.init_fn, self.train_step,
-     self.eval_step) = _programs(self.model_cfg, self.loss_cfg, optimizer_items, self.num_canvases,
-                                 config.train.seed, self.mesh)
+    (self.model, self.optimizer, self.schedule, self.abstract_state, self.state_shardings, self.init_fn,
+     self.train_step, self.eval_step) = _programs(
+         self.model_cfg, self.loss_cfg, optimizer_items, self.num_canvases, config.train.seed, self.mesh,
+         parallel.logical_rules(config.mesh))
 
   def restore(self, checkpointer: ckpt_lib.Checkpointer, step: int):
-    abstract = ckpt_lib.abstract_with_sharding(self.abstract_state.to_dict(), self.replicated)
+    """The state of `step`, restored straight into its shardings (each process reads its shards)."""
+    abstract = ckpt_lib.abstract_with_sharding(self.abstract_state.to_dict(),
+                                               self.state_shardings.to_dict())
     state, data_state, meta = checkpointer.restore(step, abstract)
     return TrainState(**state), data_state, meta
 
@@ -130,15 +144,18 @@ def train(config, workdir) -> TrainState:
     train_iter = iter(train_ds)
     accumulator = metrics_lib.MeanAccumulator()
     elapsed = {"train_s": 0.0, "cpu_s": 0.0}
+    main = parallel.is_main_process()
     if start_step is None:
       state = setup.init_fn()
-      metrics_lib.truncate_metrics(workdir, -1)
+      if main:
+        metrics_lib.truncate_metrics(workdir, -1)
     else:
       state, data_state, meta = setup.restore(checkpointer, start_step)
       train_iter.set_state(data_state)
       accumulator = metrics_lib.MeanAccumulator(meta.get("metric_window"))
       elapsed.update(meta.get("elapsed", {}))
-      metrics_lib.truncate_metrics(workdir, start_step)
+      if main:
+        metrics_lib.truncate_metrics(workdir, start_step)
       logging.info("Resumed from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
     _write_config(workdir, setup.config_json)
     return _loop(config, setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
@@ -155,7 +172,7 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
   step = first_step = int(state.step)
   length = config.data.prompt_length + config.data.num_canvases * setup.model_cfg.canvas_length
   progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * length, step)
-  writer = metrics_lib.create_writer(setup.workdir)
+  writer = metrics_lib.create_writer(setup.workdir, enabled=parallel.is_main_process())
   process_start, cpu_start = time.perf_counter(), time.process_time()
   excluded = 0.0  # seconds of evaluation, checkpointing and the first (compiling) step in this run
   compile_s = 0.0
@@ -262,10 +279,11 @@ def evaluate(config, workdir, *, step: int | None = None, num_batches: int | Non
       config.train.eval_batches = num_batches
   results = setup.evaluate(config, state.params, val_ds)
   results = {"step": step, **results}
-  (workdir / "eval.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
-  writer = metrics_lib.JsonlWriter(workdir / metrics_lib.METRICS_FILENAME)
-  writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items() if k != "step"})
-  writer.close()
+  if parallel.is_main_process():
+    (workdir / "eval.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    writer = metrics_lib.JsonlWriter(workdir / metrics_lib.METRICS_FILENAME)
+    writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items() if k != "step"})
+    writer.close()
   logging.info("evaluation of step %d: %s", step,
                ", ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "step"))
   return results

@@ -78,8 +78,11 @@ class MultiWriter:
       writer.close()
 
 
-def create_writer(workdir: os.PathLike | str, tensorboard: bool = True) -> MultiWriter:
-  """JSONL in `workdir/metrics.jsonl` and TensorBoard in `workdir/tensorboard`."""
+def create_writer(workdir: os.PathLike | str, tensorboard: bool = True, enabled: bool = True) -> MultiWriter:
+  """JSONL in `workdir/metrics.jsonl` and TensorBoard in `workdir/tensorboard`; with `enabled=False`
+  (every process but the first of a multi-process run) a writer that writes nothing."""
+  if not enabled:
+    return MultiWriter([])
   workdir = pathlib.Path(workdir)
   writers = [JsonlWriter(workdir / METRICS_FILENAME)]
   if tensorboard:

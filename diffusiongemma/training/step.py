@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping
 
@@ -25,6 +26,11 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
                     num_canvases: int, schedule: optax.Schedule | None = None,
                     state_sharding=None, batch_sharding=None) -> Callable:
   """`step(state, batch) -> (state, metrics)`, jitted with the state donated.
+
+  With `state_sharding` (a TrainState of shardings, `state_shardings`) and `batch_sharding` (one
+  NamedSharding for every batch array), the step keeps the state in those shardings, takes the batch
+  split over the batch axes and returns replicated metrics; it is traced and run under
+  `jax.set_mesh(mesh)` so that code inside it (e.g. expert-parallel `shard_map`) finds the mesh.
 
   The loss randomness is `fold_in(state.rng, state.step)`. A step whose loss, AR loss, diffusion loss
   or gradient norm is not finite leaves params and optimizer state unchanged (the step counter still
@@ -51,21 +57,42 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
     metrics["finite"] = finite.astype(jnp.float32)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  kwargs = {}
-  if state_sharding is not None:
-    kwargs = dict(in_shardings=(state_sharding, batch_sharding), out_shardings=(state_sharding, None))
-  return jax.jit(step, donate_argnums=0, **kwargs)
+  if state_sharding is None:
+    return jax.jit(step, donate_argnums=0)
+  replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.P())
+  jitted = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+                   out_shardings=(state_sharding, replicated))
+  return under_mesh(jitted, batch_sharding.mesh)
 
 
-def make_eval_step(model, loss_config: loss_lib.LossConfig, *, num_canvases: int) -> Callable:
-  """`eval_step(params, batch, rng) -> metrics` of the objective (no gradient)."""
+def make_eval_step(model, loss_config: loss_lib.LossConfig, *, num_canvases: int, params_sharding=None,
+                   batch_sharding=None) -> Callable:
+  """`eval_step(params, batch, rng) -> metrics` of the objective (no gradient); with shardings (see
+  `make_train_step`) it takes the parameters in `params_sharding` and runs under their mesh."""
 
   def eval_step(params, batch, rng):
     _, metrics = loss_lib.diffusion_loss(model, params, batch, rng, loss_config,
                                          num_canvases=num_canvases)
     return metrics
 
-  return jax.jit(eval_step)
+  if params_sharding is None:
+    return jax.jit(eval_step)
+  replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.P())
+  jitted = jax.jit(eval_step, in_shardings=(params_sharding, batch_sharding, replicated),
+                   out_shardings=replicated)
+  return under_mesh(jitted, batch_sharding.mesh)
+
+
+def under_mesh(fn: Callable, mesh: jax.sharding.Mesh) -> Callable:
+  """`fn` called (and so traced) inside `jax.set_mesh(mesh)`; `.jitted` is `fn` itself (to lower it)."""
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    with jax.set_mesh(mesh):
+      return fn(*args, **kwargs)
+
+  call.jitted = fn
+  return call
 
 
 def check_finite(metrics: Mapping[str, float], step: int, policy: str) -> bool:
