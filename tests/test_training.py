@@ -18,6 +18,7 @@ import pytest
 import diffusiongemma as dg
 from diffusiongemma import training
 from diffusiongemma.config_base import load_config_file
+from diffusiongemma.sampling import runner
 from diffusiongemma.training import inputs
 from diffusiongemma.training import loop
 
@@ -118,6 +119,19 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
   # Nothing to do when the run is complete: the same state comes back.
   again = training.train(config, tmp_path / "a")
   _assert_same_params(straight.params, again.params)
+  # The public restore reads the parameters alone, placed as asked.
+  params, step = training.load_params(tmp_path / "a")
+  assert step == 6
+  _assert_same_params(straight.params, params)
+  assert jax.tree.structure(params) == jax.tree.structure(straight.params)
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[-1])
+  params, step = training.load_params(tmp_path / "a", step=3, shardings=one)
+  assert step == 3 and {a.sharding for a in jax.tree.leaves(params)} == {one}
+  assert runner.restore_workdir_params(tmp_path / "a")[1] == 6
+  with pytest.raises(ValueError, match=r"No checkpoint at step 4 .*available: \[3, 6\]"):
+    training.load_params(tmp_path / "a", step=4)
+  with pytest.raises(FileNotFoundError, match="No checkpoints"):
+    training.load_params(tmp_path / "nothing")
 
 
 def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):

@@ -37,28 +37,17 @@ def sampler_config(config, **overrides) -> SamplerConfig:
   return SamplerConfig.from_dict(values)
 
 
-def restore_workdir_params(workdir) -> tuple[Any, int] | None:
+def restore_workdir_params(workdir, shardings=None) -> tuple[Any, int] | None:
   """(variables, step) of the latest checkpoint in `workdir/checkpoints`, or None when there is none.
 
-  Reads the `state` item the training library writes (`{'params': {'params': ...}, ...}`) without a
-  target tree, so no optimizer has to be rebuilt.
-  TODO(training): switch to the training library's public restore function once it has one.
+  Only the parameters are read (`training.load_params`), so no optimizer has to be rebuilt.
   """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from diffusiongemma import training  # pylint: disable=g-import-not-at-top
 
   directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
-  if not directory.is_dir():
+  if not directory.is_dir() or not any(p.name.isdigit() for p in directory.iterdir()):
     return None
-  manager = ocp.CheckpointManager(directory, item_names=("state", "data", "meta"))
-  try:
-    step = manager.latest_step()
-    if step is None:
-      return None
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
-  finally:
-    manager.close()
-  params = state["params"]
-  return (params if "params" in params else {"params": params}), int(step)
+  return training.load_params(workdir, shardings=shardings)
 
 
 def random_params(model: DiffusionGemma, seed: int = 0):

@@ -3,6 +3,7 @@
 from diffusiongemma.training.checkpoint import Checkpointer
 from diffusiongemma.training.checkpoint import config_mismatches
 from diffusiongemma.training.checkpoint import ConfigMismatchError
+from diffusiongemma.training.checkpoint import load_params
 from diffusiongemma.training.evaluation import evaluate_params
 from diffusiongemma.training.loop import evaluate
 from diffusiongemma.training.loop import train
@@ -12,6 +13,7 @@ from diffusiongemma.training.optim import learning_rate_schedule
 from diffusiongemma.training.optim import make_optimizer
 from diffusiongemma.training.state import abstract_train_state
 from diffusiongemma.training.state import create_train_state
+from diffusiongemma.training.state import state_shardings
 from diffusiongemma.training.state import TrainState
 from diffusiongemma.training.step import check_finite
 from diffusiongemma.training.step import make_eval_step
@@ -30,10 +32,12 @@ __all__ = [
     "evaluate",
     "evaluate_params",
     "learning_rate_schedule",
+    "load_params",
     "make_eval_step",
     "make_optimizer",
     "make_train_step",
     "quiet_orbax_logs",
     "read_metrics",
+    "state_shardings",
     "train",
 ]
