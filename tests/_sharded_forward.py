@@ -1,7 +1,8 @@
 """Run by test_parallel.py in a fresh process with 8 simulated CPU devices: sharded == one device.
 
 `python _sharded_forward.py` checks sharded init and forward on three meshes; with a transformers
-checkpoint folder as argument it checks the streaming sharded load instead.
+checkpoint folder as argument it checks the streaming sharded load instead; with `train`, one train step
+of configs/tiny.py on two meshes against one device.
 """
 
 import json
@@ -18,6 +19,13 @@ import numpy as np
 
 import diffusiongemma as dg
 from diffusiongemma import parallel
+from diffusiongemma import training
+from diffusiongemma.config_base import load_config_file
+from diffusiongemma.training import inputs
+from diffusiongemma.training import state as state_lib
+
+ROOT = pathlib.Path(__file__).parent.parent
+TRAIN_MESHES = [dict(data=2, fsdp=2, expert=2, tensor=1), dict(data=1, fsdp=2, expert=4, tensor=1)]
 
 CONFIG = dg.ModelConfig(
     vocab_size=64, hidden_size=32, num_layers=2, layer_types=("sliding", "full"), num_heads=4,
@@ -87,8 +95,72 @@ def load(path):
   print("OK")
 
 
+def _one_train_step(config, devices):
+  """(state before, state after, metrics) of one step of the training library's own step on `devices`."""
+  mesh = parallel.make_mesh(dict(config.mesh), devices)
+  model_cfg = inputs.model_config(config)
+  loss_cfg = inputs.loss_config(config, model_cfg)
+  model = dg.DiffusionGemma(model_cfg)
+  optimizer = training.make_optimizer(config.train)
+  shardings = training.state_shardings(model, optimizer, mesh, seed=config.train.seed)
+  state = state_lib.make_init_fn(model, optimizer, seed=config.train.seed, sharding=shardings)()
+  before = jax.device_get(state)
+  rng = np.random.default_rng(0)
+  length = config.data.prompt_length + config.data.num_canvases * model_cfg.canvas_length
+  batch = {"tokens": rng.integers(0, model_cfg.vocab_size, (config.train.batch_size, length), np.int32),
+           "prompt_length": np.full((config.train.batch_size,), config.data.prompt_length, np.int32)}
+  step = training.make_train_step(model, optimizer, loss_cfg, num_canvases=config.data.num_canvases,
+                                  state_sharding=shardings, batch_sharding=inputs.batch_sharding(mesh))
+  state, metrics = step(state, inputs.to_global(batch, inputs.batch_sharding(mesh)))
+  experts = state.params["params"]["layer_0"]["experts"]["gating_einsum"]
+  moment = state.opt_state[1][0].mu["params"]["layer_0"]["experts"]["gating_einsum"]
+  assert experts.sharding == moment.sharding, (experts.sharding, moment.sharding)
+  assert experts.addressable_shards[0].data.shape[0] == model_cfg.num_experts // mesh.shape["expert"]
+  return before, jax.device_get(state), jax.device_get(metrics)
+
+
+def train():
+  """One train step of configs/tiny.py (batch 8) on the (2,2,2,1) and (1,2,4,1) meshes == one device.
+
+  Loss, gradient norm and the (clipped) gradients, read as Adam's first moment (1 - b1) g after one step,
+  agree within 1e-5 everywhere; so do the updated parameters wherever Adam's first update
+  lr g / (|g| + eps) is well conditioned (|g| >= 1e-5): where |g| is near eps = 1e-8 that update turns
+  a 1e-9 difference in g (summation order) into up to 2 lr. Warmup is off, so the step moves parameters.
+  """
+  assert jax.device_count() == 8, jax.devices()
+  config = load_config_file(ROOT / "configs" / "tiny.py")
+  config.train.batch_size = 8
+  config.train.warmup_steps = 0
+  config.mesh.data = 1
+  want_before, want, want_metrics = _one_train_step(config, jax.devices()[:1])
+  b1 = config.train.adam_b1
+  grads = lambda s: [m / (1 - b1) for m in jax.tree.leaves(s.opt_state[1][0].mu)]
+  conditioned = [np.abs(g) >= 1e-5 for g in grads(want)]
+  moved = max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(want.params),
+                                                   jax.tree.leaves(want_before.params), strict=True))
+  for sizes in TRAIN_MESHES:
+    config.mesh.update(sizes)
+    before, got, metrics = _one_train_step(config, jax.devices())
+    for a, b in zip(jax.tree.leaves(before.params), jax.tree.leaves(want_before.params), strict=True):
+      np.testing.assert_array_equal(a, b)
+    for key in ("loss", "diffusion_loss", "ar_loss", "grad_norm"):
+      np.testing.assert_allclose(metrics[key], want_metrics[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    grad_diff = max(np.abs(a - b).max() for a, b in zip(grads(got), grads(want), strict=True))
+    param_diffs = [np.abs(a - b) for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params),
+                                                 strict=True)]
+    param_diff = max(np.where(m, d, 0).max() for m, d in zip(conditioned, param_diffs, strict=True))
+    print(f"train mesh {sizes}: loss {metrics['loss']:.6f} (one device {want_metrics['loss']:.6f}), "
+          f"max |grad diff| {grad_diff:.2e}, max |param diff| {param_diff:.2e} where |g| >= 1e-5 "
+          f"({sum(m.sum() for m in conditioned)} of {sum(m.size for m in conditioned)} entries; "
+          f"{max(d.max() for d in param_diffs):.2e} over all), the step moved params by up to {moved:.2e}")
+    assert grad_diff < 1e-5 and param_diff < 1e-5 and moved > 1e-3, (grad_diff, param_diff, moved)
+  print("OK")
+
+
 if __name__ == "__main__":
-  if len(sys.argv) > 1:
+  if sys.argv[1:] == ["train"]:
+    train()
+  elif len(sys.argv) > 1:
     load(sys.argv[1])
   else:
     main()

@@ -59,6 +59,12 @@ def test_sharded_forward_equals_one_device():
   _run_on_8_devices()
 
 
+@pytest.mark.slow
+def test_sharded_train_step_equals_one_device():
+  """configs/tiny.py, batch 8: loss, gradients and update on (2,2,2,1) and (1,2,4,1) == one device."""
+  _run_on_8_devices("train")
+
+
 @pytest.mark.hf
 def test_sharded_streaming_load(tmp_path):
   pytest.importorskip("torch")
