@@ -7,13 +7,32 @@ One process, one run, the same parameters and prompts for both decoders:
   the AR step's achieved bytes/s as a fraction of a measured copy bandwidth (XLA cost analysis counts the
   FLOPs and bytes);
 - the model's MoE layer against a dense GeGLU MLP with the same active parameters;
-- training tokens/s and MFU of the train step (when `diffusiongemma.training` is installed).
-It writes `<workdir>/benchmark.json`, prints a markdown table and draws two PNG plots (tokens/s against
+- the train step of each `--train_configs` file (default tiny and small; `--quick`: the first only) on
+  random tokens: tokens/s, seconds per step, compile time apart, XLA's FLOPs per step and MFU.
+It writes `<workdir>/benchmark.json`, prints markdown tables and draws two PNG plots (tokens/s against
 batch size; accepted tokens per denoising step across a canvas). Parameters come from the latest
 checkpoint in `--workdir` when there is one, else a random initialisation (say so in results).
 
   python scripts/benchmark.py --config=configs/tiny.py --workdir=workdir/tiny --quick
   python scripts/benchmark.py --config=configs/small.py --workdir=workdir/small --batch_sizes=1,4,16
+
+benchmark.json (times in seconds, rates per second, every number finite and >= 0):
+  config, params                 config file stem; "checkpoint step N" or "random init (...)"
+  model                          total_parameters, active_parameters, canvas_length
+  sampler                        max_new_tokens, prompt_length and every SamplerConfig field
+  machine                        backend, devices, processor, matmul_peak_gflops, copy_bandwidth_gbps
+  decoding[]                     one per batch size: batch_size; for diffusion_ and ar_: seconds,
+                                 compile_seconds, tokens_per_second, latency_seconds, new_tokens;
+                                 tokens_per_forward, steps_per_canvas, speedup (diffusion / AR tok/s)
+  efficiency                     at the largest batch: batch_size; for denoiser_ and ar_step_: seconds,
+                                 flops, bytes, mfu, bandwidth_fraction
+  moe                            tokens, moe_seconds, dense_same_active_seconds, moe_over_dense, impl,
+                                 experts, top_k
+  training[]                     one per train config: config, batch_size, sequence_length,
+                                 tokens_per_step, seconds_per_step, compile_seconds, tokens_per_second,
+                                 flops_per_step, achieved_gflops, mfu, parameters, final_loss
+  accepted_per_step              mean accepted tokens at each step of the first canvas
+  plots                          the PNG paths
 """
 
 from __future__ import annotations
@@ -32,10 +51,12 @@ from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma import benchmarks
+from diffusiongemma.config_base import load_config_file
 from diffusiongemma.model import layers
 from diffusiongemma.model import moe
 from diffusiongemma.sampling import runner
 
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoint to benchmark, and where benchmark.json goes.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes for both decoders.")
@@ -43,6 +64,9 @@ _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "New tokens per row (0: 
 _PROMPT_LENGTH = flags.DEFINE_integer("prompt_length", 0, "Prompt tokens (0: config.data.prompt_length).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per figure (median).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smallest sizes: batch sizes 1 and 4, one repeat, small peaks.")
+_TRAIN_CONFIGS = flags.DEFINE_list(
+    "train_configs", ["configs/tiny.py", "configs/small.py"],
+    "Config files (path or path:arg) whose train step is timed; --quick times only the first.")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON path (default: <workdir>/benchmark.json).")
 
 
@@ -137,13 +161,19 @@ def _moe_vs_dense(cfg: dg.ModelConfig, tokens: int, repeats: int) -> dict:
           "top_k": cfg.top_k}
 
 
-def _training(config, peak_flops: float, repeats: int) -> dict | None:
-  measure = getattr(getattr(dg, "training", None), "benchmark_train_step", None)
-  if measure is None:
-    return None
-  result = measure(config, repeats=repeats)
-  result["mfu"] = result["flops_per_step"] / result["seconds_per_step"] / peak_flops
-  return result
+def _training(config_files: list[str], peak_flops: float, repeats: int) -> list[dict]:
+  """The train step's throughput and MFU for each config file (`path` or `path:arg`)."""
+  rows = []
+  for spec in config_files:
+    path, _, arg = spec.partition(":")
+    if not pathlib.Path(path).is_file() and (_ROOT / path).is_file():
+      path = str(_ROOT / path)  # the default paths work from any directory
+    result = benchmarks.benchmark_train_step(load_config_file(path, arg or None), repeats=repeats)
+    result["config"] = pathlib.Path(path).stem + (f":{arg}" if arg else "")
+    result["mfu"] = result["flops_per_step"] / result["seconds_per_step"] / peak_flops
+    logging.info("training %s: %s", spec, result)
+    rows.append(result)
+  return rows
 
 
 def _plots(results: dict, trace_counts: np.ndarray, directory: pathlib.Path) -> list[str]:
@@ -192,11 +222,15 @@ def _table(results: dict) -> str:
                f"{results['machine']['copy_bandwidth_gbps']:.1f} GB/s copy bandwidth")
   m = results["moe"]
   lines.append(f"MoE layer ({m['experts']} experts, top-{m['top_k']}, {m['impl']}): "
-               f"{1e3 * m['moe_seconds']:.1f} ms vs {1e3 * m['dense_same_active_seconds']:.1f} ms for a dense "
-               f"MLP of the same active width ({m['moe_over_dense']:.2f}x) at {m['tokens']} tokens")
-  if results.get("training"):
-    t = results["training"]
-    lines.append(f"training: {t['tokens_per_second']:.0f} tokens/s, MFU {100 * t['mfu']:.1f}%")
+               f"{1e3 * m['moe_seconds']:.1f} ms vs {1e3 * m['dense_same_active_seconds']:.1f} ms for a "
+               f"dense MLP of the same active width ({m['moe_over_dense']:.2f}x) at {m['tokens']} tokens")
+  if results["training"]:
+    lines += ["", "| training config | batch x length | tokens/s | s/step | GFLOP/step | MFU | compile s |",
+              "|---" * 7 + "|"]
+    for t in results["training"]:
+      lines.append(f"| {t['config']} | {t['batch_size']} x {t['sequence_length']} | "
+                   f"{t['tokens_per_second']:.0f} | {t['seconds_per_step']:.3f} | "
+                   f"{t['flops_per_step'] / 1e9:.2f} | {100 * t['mfu']:.1f}% | {t['compile_seconds']:.1f} |")
   return "\n".join(lines)
 
 
@@ -240,7 +274,8 @@ def main(argv):
   results["efficiency"] = {"batch_size": batch_sizes[-1],
                            **_efficiency(model, params, prompts, peak, bandwidth, repeats)}
   results["moe"] = _moe_vs_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
-  results["training"] = _training(config, peak, repeats)
+  train_configs = _TRAIN_CONFIGS.value[:1] if quick else _TRAIN_CONFIGS.value
+  results["training"] = _training(train_configs, peak, repeats)
 
   traced = sampler.generate(params, prompts, rng, max_new_tokens=cfg.canvas_length, return_trace=True)
   accepted = runner.accepted_per_step(traced)[0]  # [steps] of the first canvas; NaN after every row stopped

@@ -30,7 +30,7 @@ def test_benchmark_quick_on_tiny(tmp_path):
   result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   results = json.loads((tmp_path / "benchmark.json").read_text())
-  assert {"config", "params", "model", "sampler", "machine", "decoding", "efficiency", "moe",
+  assert {"config", "params", "model", "sampler", "machine", "decoding", "efficiency", "moe", "training",
           "accepted_per_step", "plots"} <= set(results)
   assert [row["batch_size"] for row in results["decoding"]] == [1, 4]
   for row in results["decoding"]:
@@ -40,8 +40,14 @@ def test_benchmark_quick_on_tiny(tmp_path):
     assert row["steps_per_canvas"] <= 6
   for key in ("denoiser_mfu", "ar_step_bandwidth_fraction", "denoiser_flops", "ar_step_bytes"):
     assert math.isfinite(results["efficiency"][key]) and results["efficiency"][key] > 0, key
+  assert [row["config"] for row in results["training"]] == ["tiny"]  # --quick: the first train config
+  for key in ("tokens_per_second", "seconds_per_step", "compile_seconds", "flops_per_step", "mfu"):
+    value = results["training"][0][key]
+    assert math.isfinite(value) and value > 0, (key, value)
+  assert results["training"][0]["mfu"] < 1.5  # a fraction of a peak measured in the same run
   assert all(math.isfinite(x) and x >= 0 for x in _numbers(results))
   assert sum(results["accepted_per_step"]) > 0
   for plot in results["plots"]:
     assert pathlib.Path(plot).read_bytes()[:4] == b"\x89PNG"
   assert "| batch | diffusion tok/s |" in result.stdout
+  assert "| training config |" in result.stdout

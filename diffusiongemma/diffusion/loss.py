@@ -21,8 +21,11 @@ signal** (transformers' `self_conditioning_mask`), which is exactly what the sam
 sees; Google's code feeds them uniform logits instead. The loss is taken on pass 2 only. With p = 0
 pass 1 is skipped.
 
-Total loss = diffusion loss + `ar_loss_weight` x the encoder's next-token cross-entropy on the clean
-sequence (every position, padding included, as the released model supervises its EOS padding).
+Total loss = `diffusion_loss_weight` x diffusion loss + `ar_loss_weight` x the encoder's next-token
+cross-entropy on the clean sequence (every position, padding included, as the released model supervises
+its EOS padding). `diffusion_loss_weight=0` trains the encoder alone, an autoregressive baseline of the
+same size (configs/small_ar.py): the denoiser passes are then skipped, not multiplied by zero, so the
+baseline costs an AR model's compute, and the diffusion metrics read 0.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class LossConfig:
   eps: float = 1e-4
   self_conditioning_prob: float = 0.5
   ar_loss_weight: float = 1.0
+  diffusion_loss_weight: float = 1.0  # 0: the AR baseline (see the module docstring)
   all_canvases: bool = False
   mask_token_id: int = -1  # masked noise only; -1: the last id of the model vocabulary
 
@@ -60,6 +64,12 @@ class LossConfig:
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
       raise ValueError("config.diffusion.self_conditioning_prob must be in [0, 1], got "
                        f"{self.self_conditioning_prob}.")
+    if self.diffusion_loss_weight < 0:
+      raise ValueError("config.diffusion.diffusion_loss_weight must be >= 0, got "
+                       f"{self.diffusion_loss_weight}.")
+    if self.diffusion_loss_weight == 0 and self.ar_loss_weight == 0:
+      raise ValueError("config.diffusion.diffusion_loss_weight and ar_loss_weight are both 0: nothing "
+                       "would be trained; set at least one of them > 0.")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "LossConfig":
@@ -106,6 +116,11 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
 
   enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
   ar_loss = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:]).mean()
+  if config.diffusion_loss_weight == 0:  # the AR baseline: no denoiser pass at all
+    zero = jnp.zeros((), jnp.float32)
+    metrics = {"loss": config.ar_loss_weight * ar_loss, "diffusion_loss": zero, "diffusion_ce": zero,
+               "ar_loss": ar_loss, "corrupted_accuracy": zero, "corrupted_fraction": zero}
+    return metrics["loss"], metrics
 
   if config.all_canvases:
     canvas = noisy.reshape(b, n * c)
@@ -134,7 +149,7 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   logits = noise.prepare_logits(logits).reshape(*clean.shape, -1)  # [B, k, C, V]
   ce = _cross_entropy(logits, clean)  # [B, k, C]
   loss_diffusion = (weights * ce).mean()
-  loss = loss_diffusion + config.ar_loss_weight * ar_loss
+  loss = config.diffusion_loss_weight * loss_diffusion + config.ar_loss_weight * ar_loss
 
   correct = (jnp.argmax(logits, -1) == clean).astype(jnp.float32)
   corrupted = corrupted.astype(jnp.float32)

@@ -1,0 +1,221 @@
+"""Generative quality of diffusion samples: their perplexity under autoregressive judges, their entropy.
+
+A validation loss says how well a model predicts text, not whether what it writes is any good. So we
+sample continuations of validation prompts with the diffusion sampler and score what came out:
+
+- perplexity of the new tokens given the prompt under the model's **own encoder** (its causal, next-token
+  mode, the same weights): cheap, but the judge shares the writer's biases;
+- the same under an **independently trained autoregressive baseline** of the same size
+  (configs/small_ar.py): the judge that does not;
+- **unigram entropy** (nats) of each sample's tokens, averaged over samples: a sample that repeats one
+  token has 0, so degenerate, repetitive samples show up here even when a judge finds them likely.
+
+The validation text that really follows each prompt (cut to each sample's length) is scored by the same
+judges and the same entropy, so the sample figures can be read against those of real text. Perplexities
+are token-weighted: exp(total NLL / total tokens) over every sample, the stop token included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffusiongemma import data as data_lib
+from diffusiongemma.model import DiffusionGemma, ModelConfig
+from diffusiongemma.sampling import runner
+
+CONFIG_FILENAME = "config.json"  # what training writes into its workdir
+
+
+@dataclasses.dataclass(frozen=True)
+class Judge:
+  """An autoregressive scorer: a model's encoder with its variables."""
+
+  name: str
+  model: DiffusionGemma
+  variables: Any
+
+
+def unigram_entropy(ids: Sequence[int]) -> float:
+  """Entropy (nats) of the empirical token distribution of `ids`: 0 for one repeated token, log V for V
+  distinct tokens each once."""
+  ids = np.asarray(ids).ravel()
+  if ids.size == 0:
+    raise ValueError("unigram_entropy of an empty sequence is undefined; every sample needs >= 1 token.")
+  _, counts = np.unique(ids, return_counts=True)
+  p = counts / counts.sum()
+  return float(-(p * np.log(p)).sum())
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _target_log_probs(model: DiffusionGemma, variables, tokens, lengths):
+  """log p(tokens[:, j + 1] | tokens[:, :j + 1]) under the causal encoder, [B, L - 1]."""
+  logits, _ = model.apply(variables, tokens, num_tokens=lengths, method=model.encode)  # [B, L, V]
+  log_probs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+  return jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1)[..., 0]
+
+
+def continuation_nll(judge: Judge, prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
+                     pad_to: int = 64) -> tuple[np.ndarray, np.ndarray]:
+  """(summed NLL in nats [N], token count [N]) of each continuation given its prompt, one encoder pass.
+
+  Rows are right-padded to a multiple of `pad_to` (few distinct shapes: few compilations); a causal
+  encoder's predictions never look at the padding after them.
+  """
+  if len(prompts) != len(continuations):
+    raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations.")
+  rows = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+  if any(len(p) < 1 for p in prompts):
+    raise ValueError("Every prompt needs at least one token to condition on.")
+  length = max(-(-max(len(r) for r in rows) // pad_to) * pad_to, 2)
+  tokens, lengths = runner.pad_prompts(rows, judge.model.config.pad_id)
+  tokens = np.pad(tokens, ((0, 0), (0, length - tokens.shape[1])), constant_values=judge.model.config.pad_id)
+  log_probs = np.asarray(_target_log_probs(judge.model, judge.variables, jnp.asarray(tokens),
+                                           jnp.asarray(lengths)))  # [N, L - 1]
+  target = np.arange(1, length)[None]  # the position each log-prob predicts
+  starts = np.array([len(p) for p in prompts])[:, None]
+  mask = (target >= starts) & (target < lengths[:, None])
+  return -(log_probs * mask).sum(1), mask.sum(1)
+
+
+def perplexity(judge: Judge, prompts, continuations) -> float:
+  """exp(total NLL / total tokens) of the continuations given their prompts."""
+  nll, count = continuation_nll(judge, prompts, continuations)
+  if count.sum() == 0:
+    raise ValueError("No continuation token to score.")
+  return float(np.exp(min(nll.sum() / count.sum(), 700.0)))
+
+
+def score(prompts, continuations, judges: Sequence[Judge], references=None) -> dict[str, float]:
+  """Perplexity under each judge (`perplexity_<name>`) and mean unigram entropy of `continuations`, and
+  the same of `references` (`reference_...`), each cut to its sample's length."""
+  out = {"num_samples": len(continuations), "new_tokens": int(sum(len(c) for c in continuations)),
+         "unigram_entropy": float(np.mean([unigram_entropy(c) for c in continuations]))}
+  out["mean_length"] = out["new_tokens"] / len(continuations)
+  for judge in judges:
+    out[f"perplexity_{judge.name}"] = perplexity(judge, prompts, continuations)
+  if references is not None:
+    references = [list(r)[:len(c)] for r, c in zip(references, continuations)]
+    out["reference_unigram_entropy"] = float(np.mean([unigram_entropy(r) for r in references]))
+    for judge in judges:
+      out[f"reference_perplexity_{judge.name}"] = perplexity(judge, prompts, references)
+  return out
+
+
+def sample(sampler, variables, prompts: np.ndarray, rng, max_new_tokens: int, batch_size: int
+           ) -> tuple[list[list[int]], dict[str, float]]:
+  """Continuations of `prompts` [N, P] (each up to and including its stop token) and the sampler's
+  tokens per forward (new tokens / denoiser passes, over all rows) and steps per canvas.
+
+  Batches are all `batch_size` rows (the last one padded with copies, dropped after), so one program
+  serves every batch.
+  """
+  n = prompts.shape[0]
+  stop, pad = sampler.stop_tokens, sampler.model.config.pad_id
+  continuations, passes = [], []
+  for i, start in enumerate(range(0, n, batch_size)):
+    chunk = prompts[start:start + batch_size]
+    real = chunk.shape[0]
+    if real < batch_size:
+      chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, 0)])
+    out = sampler.generate(variables, jnp.asarray(chunk), jax.random.fold_in(rng, i),
+                           max_new_tokens=max_new_tokens)
+    continuations += [runner.new_tokens(row, stop, pad) for row in np.asarray(out.tokens)[:real]]
+    passes.append(np.asarray(out.canvas_passes)[:real])
+  passes = np.concatenate(passes)  # [N, K]
+  ran = passes[passes > 0]
+  stats = {"tokens_per_forward": sum(len(c) for c in continuations) / max(int(passes.sum()), 1),
+           "steps_per_canvas": float(ran.mean()) if ran.size else 0.0}
+  return continuations, stats
+
+
+def validation_prompts(config, tokenizer, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+  """(prompts [N, P], what follows them [N, n*C]): N training-layout windows of the validation split,
+  evenly spread over it (the prompt is each window's first `config.data.prompt_length` tokens)."""
+  texts = data_lib.load_corpus(config.data.corpus, "validation", text_field=config.data.text_field,
+                               validation_fraction=config.data.validation_fraction)
+  stream = data_lib.tokenize_corpus(texts, tokenizer)
+  p = config.data.prompt_length
+  length = p + config.data.num_canvases * config.model.canvas_length
+  windows = stream.size // length
+  if windows < num_samples:
+    raise ValueError(f"The validation split has {windows} windows of {length} tokens, fewer than "
+                     f"num_samples={num_samples}.")
+  starts = np.linspace(0, windows - 1, num_samples).astype(np.int64) * length
+  rows = np.stack([stream[s:s + length] for s in starts]).astype(np.int32)
+  return rows[:, :p], rows[:, p:]
+
+
+def load_judge(name: str, workdir, model_config: ModelConfig | None = None) -> Judge:
+  """The latest checkpoint of a training workdir as a judge; its model config comes from the workdir's
+  config.json (so a baseline may differ from the writer), else `model_config`."""
+  restored = runner.restore_workdir_params(workdir)
+  if restored is None:
+    raise FileNotFoundError(f"No checkpoint in {workdir}/{runner.CHECKPOINT_DIRNAME} for the {name} judge: "
+                            "train it first (e.g. scripts/train.py --config=configs/small_ar.py).")
+  saved = pathlib.Path(workdir) / CONFIG_FILENAME
+  if saved.is_file():
+    model_config = ModelConfig.from_dict(json.loads(saved.read_text())["model"])
+  if model_config is None:
+    raise ValueError(f"{saved} is missing and no model config was given for the {name} judge.")
+  return Judge(name, DiffusionGemma(model_config), restored[0])
+
+
+def _workdir_tokenizer(workdir) -> bytes | None:
+  """The serialized tokenizer a workdir trained with, when it can be found."""
+  workdir = pathlib.Path(workdir)
+  path = workdir / "tokenizer.model"
+  saved = workdir / CONFIG_FILENAME
+  if saved.is_file():
+    path = pathlib.Path(json.loads(saved.read_text())["data"].get("tokenizer_path") or path)
+  return data_lib.Tokenizer(path).serialized if path.is_file() else None
+
+
+class GenerativeEval:
+  """Everything loaded once (the writer's weights, the judges, the prompts) for many sampler settings.
+
+  `run(**sampler_overrides)` samples a continuation of every prompt with `config.sampler` changed by the
+  overrides and returns the tokens per forward, the scores of `score` and the settings used.
+  """
+
+  def __init__(self, config, workdir, *, baseline_workdir=None, num_samples: int = 16, batch_size: int = 8,
+               seed: int = 0):
+    if num_samples < 1 or batch_size < 1:
+      raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}.")
+    self.config, self.batch_size, self.seed = config, min(batch_size, num_samples), seed
+    self.model_config, self.variables, self.source = runner.load_model(config, workdir)
+    self.tokenizer = data_lib.get_tokenizer(workdir, path=config.data.tokenizer_path or None,
+                                            vocab_size=config.data.vocab_size)
+    self.judges = [Judge("self", DiffusionGemma(self.model_config), self.variables)]
+    if baseline_workdir:
+      baseline = load_judge("baseline", baseline_workdir, self.model_config)
+      if baseline.model.config.vocab_size != self.model_config.vocab_size:
+        raise ValueError(f"The baseline in {baseline_workdir} has vocab_size "
+                         f"{baseline.model.config.vocab_size}, the model {self.model_config.vocab_size}: "
+                         "a judge must share the tokenizer.")
+      other = _workdir_tokenizer(baseline_workdir)
+      if other is not None and other != self.tokenizer.serialized:
+        raise ValueError(f"The baseline in {baseline_workdir} was trained with another tokenizer; retrain "
+                         f"it with --config.data.tokenizer_path=<the model's tokenizer.model>.")
+      self.judges.append(baseline)
+    self.prompts, self.following = validation_prompts(config, self.tokenizer, num_samples)
+
+  def run(self, max_new_tokens: int | None = None, **sampler_overrides) -> dict[str, Any]:
+    sampler = runner.sampler_for(self.model_config, self.config, **sampler_overrides)
+    max_new_tokens = max_new_tokens or self.config.sampler.max_new_tokens
+    continuations, stats = sample(sampler, self.variables, self.prompts, jax.random.key(self.seed),
+                                  max_new_tokens, self.batch_size)
+    results = {"weights": self.source, "max_new_tokens": max_new_tokens,
+               "entropy_bound": sampler.config.entropy_bound,
+               "max_denoising_steps": sampler.config.max_denoising_steps, **stats,
+               **score(self.prompts, continuations, self.judges, self.following)}
+    results["example"] = self.tokenizer.decode([t for t in continuations[0] if t not in sampler.stop_tokens])
+    return results

@@ -1,0 +1,147 @@
+"""Generative quality: the metrics on hand-built inputs, the AR-baseline objective, and the binaries
+(evaluate.py --generative, sweep.py) end to end on tiny workdirs trained for a few steps."""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma import diffusion
+from diffusiongemma.config_base import load_config_file
+from diffusiongemma.sampling import quality
+from diffusiongemma.sampling import runner
+from test_training import _script_args, corpus, VOCAB  # noqa: F401  (corpus is a fixture)
+
+ROOT = pathlib.Path(__file__).parent.parent
+TINY = dg.ModelConfig.from_dict({**load_config_file(ROOT / "configs" / "tiny.py").model.to_dict(),
+                                 "vocab_size": 64, "num_layers": 2, "canvas_length": 8, "moe_impl": "dense"})
+
+
+@pytest.fixture(scope="module")
+def judge():
+  model = dg.DiffusionGemma(TINY)
+  return quality.Judge("self", model, runner.random_params(model, seed=3))
+
+
+def test_unigram_entropy_of_constant_uniform_and_empty_sequences():
+  assert quality.unigram_entropy([7] * 50) == 0.0
+  np.testing.assert_allclose(quality.unigram_entropy(np.arange(64)), math.log(64), rtol=1e-12)
+  np.testing.assert_allclose(quality.unigram_entropy([1, 1, 2, 2]), math.log(2), rtol=1e-12)
+  with pytest.raises(ValueError, match="empty"):
+    quality.unigram_entropy([])
+
+
+def test_perplexity_is_exp_of_the_mean_nll_computed_row_by_row(judge):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 64, n).tolist() for n in (5, 9, 1)]
+  continuations = [rng.integers(3, 64, n).tolist() for n in (7, 2, 12)]
+  nll, count = quality.continuation_nll(judge, prompts, continuations)
+  np.testing.assert_array_equal(count, [7, 2, 12])
+  expected = []
+  for p, c in zip(prompts, continuations):  # unpadded, one row at a time, log-softmax in numpy
+    row = np.array([p + c], np.int32)
+    logits, _ = judge.model.apply(judge.variables, row, method=judge.model.encode)
+    logits = np.asarray(logits[0], np.float64)
+    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    expected.append(-sum(log_probs[j - 1, row[0, j]] for j in range(len(p), len(p) + len(c))))
+  np.testing.assert_allclose(nll, expected, rtol=2e-5)
+  np.testing.assert_allclose(quality.perplexity(judge, prompts, continuations),
+                             math.exp(sum(expected) / 21), rtol=2e-5)
+
+
+def test_score_reports_judges_entropy_and_the_reference(judge):
+  prompts = [[3, 4, 5]] * 2
+  scores = quality.score(prompts, [[9] * 6, [9, 10]], [judge], references=[list(range(10, 30))] * 2)
+  assert scores["num_samples"] == 2 and scores["new_tokens"] == 8 and scores["mean_length"] == 4
+  np.testing.assert_allclose(scores["unigram_entropy"], math.log(2) / 2)
+  np.testing.assert_allclose(scores["reference_unigram_entropy"], (math.log(6) + math.log(2)) / 2)
+  for key in ("perplexity_self", "reference_perplexity_self"):
+    assert 1 < scores[key] < 10 * TINY.vocab_size
+
+
+def test_zero_diffusion_weight_trains_the_encoder_alone(judge):
+  batch = {"tokens": np.random.default_rng(1).integers(3, 64, (2, 24)).astype(np.int32),
+           "prompt_length": np.full((2,), 8, np.int32)}
+  rng = jax.random.PRNGKey(0)
+  both = diffusion.diffusion_loss(judge.model, judge.variables, batch, rng, diffusion.LossConfig(),
+                                  num_canvases=2)[1]
+  loss, ar_only = diffusion.diffusion_loss(judge.model, judge.variables, batch, rng,
+                                           diffusion.LossConfig(diffusion_loss_weight=0.0), num_canvases=2)
+  np.testing.assert_allclose(loss, both["ar_loss"], rtol=1e-6)
+  assert float(ar_only["diffusion_loss"]) == 0.0
+  np.testing.assert_allclose(both["loss"], both["diffusion_loss"] + both["ar_loss"], rtol=1e-6)
+  with pytest.raises(ValueError, match="diffusion_loss_weight must be >= 0, got -1"):
+    diffusion.LossConfig(diffusion_loss_weight=-1.0)
+  with pytest.raises(ValueError, match="both 0"):
+    diffusion.LossConfig(diffusion_loss_weight=0.0, ar_loss_weight=0.0)
+  ar = load_config_file(ROOT / "configs" / "small_ar.py", "tiny")
+  assert ar.diffusion.diffusion_loss_weight == 0.0 and ar.model == load_config_file(ROOT / "configs" /
+                                                                                       "tiny.py").model
+
+
+def _run(args, timeout=600):
+  result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+@pytest.fixture(scope="module")
+def workdirs(corpus, tmp_path_factory):  # noqa: F811
+  """A tiny diffusion model and its AR baseline (configs/small_ar.py:tiny), 4 steps each, same tokenizer."""
+  root = tmp_path_factory.mktemp("quality")
+  _run(_script_args(corpus, root / "diffusion", 4))
+  baseline = _script_args(corpus, root / "ar", 4)
+  baseline[2] = f"--config={ROOT / 'configs' / 'small_ar.py'}:tiny"
+  _run(baseline)
+  return root / "diffusion", root / "ar"
+
+
+def _with_script(args, script, *extra):
+  """train.py's command line (config and overrides) for another binary, without the train flags."""
+  return [args[0], str(ROOT / "scripts" / script), *args[2:], *extra]
+
+
+@pytest.mark.slow
+def test_evaluate_generative_end_to_end(corpus, workdirs):  # noqa: F811
+  diffusion_dir, ar_dir = workdirs
+  args = _with_script(_script_args(corpus, diffusion_dir, 4), "evaluate.py", "--generative",
+                      "--num_samples=3", "--batch_size=2", "--max_new_tokens=8",
+                      f"--baseline_workdir={ar_dir}", "--config.sampler.max_denoising_steps=6")
+  _run(args)
+  results = json.loads((diffusion_dir / "generative.json").read_text())
+  assert results["num_samples"] == 3 and results["max_denoising_steps"] == 6
+  assert "step 4" in results["weights"]
+  for key in ("perplexity_self", "perplexity_baseline", "reference_perplexity_self",
+              "reference_perplexity_baseline", "tokens_per_forward", "unigram_entropy"):
+    assert math.isfinite(results[key]) and results[key] > 0, (key, results[key])
+  # Four steps of training: every judge is still close to uniform over the vocabulary.
+  for key in ("perplexity_self", "perplexity_baseline"):
+    assert 0.3 * VOCAB < results[key] < 3 * VOCAB, (key, results[key])
+  assert results["unigram_entropy"] <= math.log(results["mean_length"]) + 1e-9
+
+
+@pytest.mark.slow
+def test_sweep_writes_json_and_png_with_the_defaults_marked(corpus, workdirs, tmp_path):  # noqa: F811
+  diffusion_dir, ar_dir = workdirs
+  output = tmp_path / "sweep.json"
+  args = _with_script(_script_args(corpus, diffusion_dir, 4), "sweep.py", "--entropy_bounds=1.0",
+                      "--max_steps=48", "--num_samples=2", "--batch_size=2", "--max_new_tokens=8",
+                      f"--baseline_workdir={ar_dir}", f"--output={output}")
+  result = _run(args)
+  sweep = json.loads(output.read_text())
+  grid = {(s["entropy_bound"], s["max_denoising_steps"]) for s in sweep["settings"]}
+  assert grid == {(0.1, 48), (1.0, 48)}  # the released default bound is added
+  assert sweep["judge"] == "baseline" and sweep["defaults"] == {"entropy_bound": 0.1, "max_denoising_steps": 48}
+  for s in sweep["settings"]:
+    for key in ("tokens_per_forward", "perplexity_baseline", "perplexity_self", "unigram_entropy"):
+      assert math.isfinite(s[key]) and s[key] > 0, (key, s)
+    assert s["steps_per_canvas"] <= s["max_denoising_steps"]
+  assert pathlib.Path(sweep["plot"]).read_bytes()[:4] == b"\x89PNG"
+  assert "| entropy bound | max steps |" in result.stdout
