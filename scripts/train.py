@@ -3,6 +3,10 @@ r"""Trains a DiffusionGemma model, resuming from the latest checkpoint in --work
   python scripts/train.py --config configs/tiny.py --workdir /tmp/dg_tiny \
       --config.train.num_steps=300 --config.diffusion.noise=masked
 
+Several processes (hosts) train one model together when each runs the same command with
+--coordinator_address=host:port --num_processes=N --process_id=i (or JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES, JAX_PROCESS_ID in the environment); --workdir must be the same shared folder.
+
 SIGTERM saves a checkpoint and exits with status 0; running the same command again resumes.
 """
 
@@ -10,17 +14,23 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from diffusiongemma import parallel
 from diffusiongemma import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics, tokenizer and caches go here.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None,
+                                   "host:port of process 0, for a multi-process run (jax.distributed).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes).")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   training.quiet_orbax_logs()
   training.train(_CONFIG.value, _WORKDIR.value)
 

@@ -5,6 +5,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -228,13 +229,18 @@ def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch
     training.evaluate(_config(corpus), tmp_path / "never_trained")
 
 
-def _script_args(corpus, workdir, num_steps, *extra):
+def _script_flags(corpus, num_steps):
+  """The --config.* overrides of the script tests (the settings of `_config`, as flags)."""
   folder, tokenizer = corpus
-  flags = {"model.vocab_size": VOCAB, "model.num_layers": 2, "model.canvas_length": 8,
-           "data.corpus": folder, "data.tokenizer_path": tokenizer, "data.vocab_size": VOCAB,
-           "data.prompt_length": 8, "data.validation_fraction": 0.2, "train.batch_size": 4,
-           "train.num_steps": num_steps, "train.warmup_steps": 2, "train.log_every": 1,
-           "train.eval_every": 10, "train.eval_batches": 1, "train.checkpoint_every": 5}
+  return {"model.vocab_size": VOCAB, "model.num_layers": 2, "model.canvas_length": 8,
+          "data.corpus": str(folder), "data.tokenizer_path": str(tokenizer), "data.vocab_size": VOCAB,
+          "data.prompt_length": 8, "data.validation_fraction": 0.2, "train.batch_size": 4,
+          "train.num_steps": num_steps, "train.warmup_steps": 2, "train.log_every": 1,
+          "train.eval_every": 10, "train.eval_batches": 1, "train.checkpoint_every": 5}
+
+
+def _script_args(corpus, workdir, num_steps, *extra):
+  flags = _script_flags(corpus, num_steps)
   return [sys.executable, str(ROOT / "scripts" / "train.py"), f"--config={ROOT / 'configs' / 'tiny.py'}",
           f"--workdir={workdir}", *(f"--config.{k}={v}" for k, v in flags.items()), *extra]
 
@@ -325,3 +331,44 @@ def test_validation_loss_drops_a_quarter_in_200_steps(corpus, tmp_path, noise):
   first, last = evals[0], evals[200]
   for key in ("eval/loss", "eval/diffusion_loss", "eval/ar_loss"):
     assert last[key] <= 0.75 * first[key], (key, first[key], last[key])
+
+
+def _free_port():
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_train_together_like_one(corpus, tmp_path):
+  """scripts/train.py in two processes (jax.distributed on localhost, one CPU device each, each reading
+  its shard of the data) == one process with two devices fed the same global batches: per-step losses
+  and final parameters within 1e-5. Only process 0 writes config.json and metrics.jsonl."""
+  n = 3
+  port = _free_port()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  workdir = tmp_path / "two"
+  processes = [subprocess.Popen(
+      _script_args(corpus, workdir, n, f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                   f"--process_id={i}"), env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+               for i in range(2)]
+  reference = subprocess.Popen(
+      [sys.executable, str(ROOT / "tests" / "_train_reference.py"), str(tmp_path / "one"),
+       str(tmp_path / "one.npz"), json.dumps(_script_flags(corpus, n))],
+      text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  for process in [*processes, reference]:
+    _, err = process.communicate(timeout=900)
+    assert process.returncode == 0, err[-3000:]
+  assert _steps_saved(workdir) == [n]
+  want = np.load(tmp_path / "one.npz")
+  losses = [r["train/loss"] for _, r in _losses(workdir)]
+  np.testing.assert_allclose(losses, want["losses"], rtol=0, atol=1e-5)
+  params, step = training.load_params(workdir)  # onto this process's one device: another topology
+  assert step == n
+  params = jax.tree.leaves(params)
+  for i, leaf in enumerate(params):
+    np.testing.assert_allclose(np.asarray(leaf), want[f"param_{i}"], rtol=0, atol=1e-5)
+  print(f"max |loss diff| {np.abs(np.array(losses) - want['losses']).max():.2e}, max |param diff| "
+        f"{max(np.abs(np.asarray(x) - want[f'param_{i}']).max() for i, x in enumerate(params)):.2e}")
+  assert json.loads((workdir / "config.json").read_text())["train"]["num_steps"] == n
+  assert [s for s, _ in _losses(workdir)] == list(range(1, n + 1))  # one record per step: one writer
