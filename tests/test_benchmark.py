@@ -24,7 +24,8 @@ def _numbers(tree):
 
 @pytest.mark.slow
 def test_benchmark_quick_on_tiny(tmp_path):
-  command = [sys.executable, str(ROOT / "scripts" / "benchmark.py"), f"--config={ROOT / 'configs' / 'tiny.py'}",
+  command = [sys.executable, str(ROOT / "scripts" / "benchmark.py"),
+             f"--config={ROOT / 'configs' / 'tiny.py'}",
              f"--workdir={tmp_path}", "--quick", "--max_new_tokens=16", "--prompt_length=8",
              "--config.sampler.max_denoising_steps=6"]
   result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)

@@ -1,6 +1,7 @@
 """Generative quality: the metrics on hand-built inputs, the AR-baseline objective, and the binaries
 (evaluate.py --generative, sweep.py) end to end on tiny workdirs trained for a few steps."""
 
+import functools
 import json
 import math
 import pathlib
@@ -39,18 +40,18 @@ def test_unigram_entropy_of_constant_uniform_and_empty_sequences():
 
 def test_perplexity_is_exp_of_the_mean_nll_computed_row_by_row(judge):
   rng = np.random.default_rng(0)
-  prompts = [rng.integers(3, 64, n).tolist() for n in (5, 9, 1)]
-  continuations = [rng.integers(3, 64, n).tolist() for n in (7, 2, 12)]
-  nll, count = quality.continuation_nll(judge, prompts, continuations)
-  np.testing.assert_array_equal(count, [7, 2, 12])
-  expected = []
-  for p, c in zip(prompts, continuations):  # unpadded, one row at a time, log-softmax in numpy
-    row = np.array([p + c], np.int32)
-    logits, _ = judge.model.apply(judge.variables, row, method=judge.model.encode)
-    logits = np.asarray(logits[0], np.float64)
-    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
-    expected.append(-sum(log_probs[j - 1, row[0, j]] for j in range(len(p), len(p) + len(c))))
+  splits = ((5, 7), (9, 3), (1, 11))  # equal total lengths: one unpadded reference call
+  prompts = [rng.integers(3, 64, p).tolist() for p, _ in splits]
+  continuations = [rng.integers(3, 64, c).tolist() for _, c in splits]
+  nll, count = quality.continuation_nll(judge, prompts, continuations)  # right-padded to 64
+  np.testing.assert_array_equal(count, [7, 3, 11])
+  rows = np.array([p + c for p, c in zip(prompts, continuations)], np.int32)
+  logits, _ = jax.jit(lambda v, t: judge.model.apply(v, t, method=judge.model.encode))(judge.variables, rows)
+  logits = np.asarray(logits, np.float64)
+  top = logits.max(-1, keepdims=True)
+  log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))  # [3, 12, V]
+  expected = [-sum(log_probs[i, j - 1, rows[i, j]] for j in range(p, p + c))
+              for i, (p, c) in enumerate(splits)]
   np.testing.assert_allclose(nll, expected, rtol=2e-5)
   np.testing.assert_allclose(quality.perplexity(judge, prompts, continuations),
                              math.exp(sum(expected) / 21), rtol=2e-5)
@@ -69,12 +70,15 @@ def test_score_reports_judges_entropy_and_the_reference(judge):
 def test_zero_diffusion_weight_trains_the_encoder_alone(judge):
   batch = {"tokens": np.random.default_rng(1).integers(3, 64, (2, 24)).astype(np.int32),
            "prompt_length": np.full((2,), 8, np.int32)}
-  rng = jax.random.PRNGKey(0)
-  both = diffusion.diffusion_loss(judge.model, judge.variables, batch, rng, diffusion.LossConfig(),
-                                  num_canvases=2)[1]
-  loss, ar_only = diffusion.diffusion_loss(judge.model, judge.variables, batch, rng,
-                                           diffusion.LossConfig(diffusion_loss_weight=0.0), num_canvases=2)
-  np.testing.assert_allclose(loss, both["ar_loss"], rtol=1e-6)
+
+  @functools.partial(jax.jit, static_argnums=0)
+  def loss(config, variables):
+    return diffusion.diffusion_loss(judge.model, variables, batch, jax.random.PRNGKey(0), config,
+                                    num_canvases=2)
+
+  both = loss(diffusion.LossConfig(self_conditioning_prob=0.0), judge.variables)[1]
+  total, ar_only = loss(diffusion.LossConfig(diffusion_loss_weight=0.0), judge.variables)
+  np.testing.assert_allclose(total, both["ar_loss"], rtol=1e-6)
   assert float(ar_only["diffusion_loss"]) == 0.0
   np.testing.assert_allclose(both["loss"], both["diffusion_loss"] + both["ar_loss"], rtol=1e-6)
   with pytest.raises(ValueError, match="diffusion_loss_weight must be >= 0, got -1"):
@@ -138,7 +142,8 @@ def test_sweep_writes_json_and_png_with_the_defaults_marked(corpus, workdirs, tm
   sweep = json.loads(output.read_text())
   grid = {(s["entropy_bound"], s["max_denoising_steps"]) for s in sweep["settings"]}
   assert grid == {(0.1, 48), (1.0, 48)}  # the released default bound is added
-  assert sweep["judge"] == "baseline" and sweep["defaults"] == {"entropy_bound": 0.1, "max_denoising_steps": 48}
+  assert sweep["judge"] == "baseline"
+  assert sweep["defaults"] == {"entropy_bound": 0.1, "max_denoising_steps": 48}
   for s in sweep["settings"]:
     for key in ("tokens_per_forward", "perplexity_baseline", "perplexity_self", "unigram_entropy"):
       assert math.isfinite(s[key]) and s[key] > 0, (key, s)
