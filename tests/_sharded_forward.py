@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 import tracemalloc
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -21,6 +22,7 @@ import diffusiongemma as dg
 from diffusiongemma import parallel
 from diffusiongemma import training
 from diffusiongemma.config_base import load_config_file
+from diffusiongemma.training import checkpoint as ckpt_lib
 from diffusiongemma.training import inputs
 from diffusiongemma.training import state as state_lib
 
@@ -116,7 +118,22 @@ def _one_train_step(config, devices):
   moment = state.opt_state[1][0].mu["params"]["layer_0"]["experts"]["gating_einsum"]
   assert experts.sharding == moment.sharding, (experts.sharding, moment.sharding)
   assert experts.addressable_shards[0].data.shape[0] == model_cfg.num_experts // mesh.shape["expert"]
+  _check_sharded_restore(state, shardings)
   return before, jax.device_get(state), jax.device_get(metrics)
+
+
+def _check_sharded_restore(state, shardings):
+  """A checkpoint of the sharded state restores equal, straight into the same shardings."""
+  with tempfile.TemporaryDirectory() as workdir:
+    checkpointer = training.Checkpointer(workdir, async_save=False)
+    checkpointer.save(1, state, {}, {})
+    abstract = ckpt_lib.abstract_with_sharding(jax.eval_shape(lambda: state).to_dict(), shardings.to_dict())
+    restored, _, _ = checkpointer.restore(1, abstract)
+    checkpointer.close()
+  for got, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(state.to_dict()),
+                                 jax.tree.leaves(shardings.to_dict()), strict=True):
+    assert got.sharding == sharding, (got.sharding, sharding)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def train():
