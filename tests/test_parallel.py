@@ -31,6 +31,19 @@ def test_mesh_shape_fills_the_rest_and_rejects_bad_sizes():
     parallel.logical_rules({"rules": [("embed", "model")]})
 
 
+def test_initialize_distributed_is_a_no_op_alone_and_checks_its_flags(monkeypatch):
+  for name in (*parallel.distributed.ENV_VARS, "JAX_DISTRIBUTED"):
+    monkeypatch.delenv(name, raising=False)
+  assert parallel.initialize_distributed() is False
+  assert parallel.initialize_distributed(num_processes=1, process_id=0) is False
+  with pytest.raises(ValueError, match="num_processes=2 and process_id=1 need a coordinator address"):
+    parallel.initialize_distributed(num_processes=2, process_id=1)
+  with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+    parallel.initialize_distributed("localhost:1", num_processes=2, process_id=2)
+  assert parallel.is_main_process()
+  parallel.sync("nothing to wait for")
+
+
 def test_released_model_specs_and_plan():
   cfg = dg.ModelConfig.from_dict(load_config_file(ROOT / "configs" / "diffusiongemma_26b_a4b.py").model)
   sizes = dict(data=1, fsdp=1, expert=8, tensor=1)
