@@ -225,6 +225,10 @@ def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch
   monkeypatch.setattr(inputs.jax, "device_count", lambda: 8)
   fails(r"batch_size=4 is not divisible by the 8 batch shards of the mesh \(data\*fsdp\*expert", **{})
   monkeypatch.undo()
+  monkeypatch.setattr(inputs.jax, "process_count", lambda: 3)
+  fails("batch_size=4 is not divisible by the 3 processes", **{})
+  fails(r"The 1 batch shards of the mesh .* not a multiple of the 3 processes", **{"train.batch_size": 6})
+  monkeypatch.undo()
   with pytest.raises(FileNotFoundError, match="No checkpoints"):
     training.evaluate(_config(corpus), tmp_path / "never_trained")
 

@@ -65,6 +65,10 @@ def validate(config) -> tuple[ModelConfig, loss_lib.LossConfig]:
   if train.batch_size % processes:
     raise ValueError(f"config.train.batch_size={train.batch_size} is not divisible by the {processes} "
                      f"processes, which each read batch_size / {processes} rows.")
+  if shards % processes:
+    raise ValueError(f"The {shards} batch shards of the mesh (data*fsdp*expert of {sizes}) are not a "
+                     f"multiple of the {processes} processes: each process feeds its own rows, so its "
+                     "devices must hold their own part of the batch (move devices from tensor to data).")
   for name in ("prompt_length", "num_canvases"):
     if config.data[name] < 1:
       raise ValueError(f"config.data.{name} must be >= 1, got {config.data[name]}.")
