@@ -181,10 +181,10 @@ def _main():
   print("OK")
 
 
-def _measure(tokens_per_device: int = 256):
+def _measure(tokens_per_device: int = 256, impl: str = "grouped"):
   """Compiled collective bytes and memory of one 26B-A4B expert layer (bf16; forward, and forward plus
   backward), expert-parallel vs the GSPMD default, on a (1, 1, 8, 1) mesh. Compiles only, runs nothing:
-  `python tests/test_expert_parallel.py --measure [tokens per device]`."""
+  `python tests/test_expert_parallel.py --measure [tokens per device] [grouped|ragged|dense]`."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
@@ -192,7 +192,7 @@ def _measure(tokens_per_device: int = 256):
   from diffusiongemma import parallel  # pylint: disable=import-outside-toplevel
   from diffusiongemma.model import moe  # pylint: disable=import-outside-toplevel
 
-  config = dg.ModelConfig(dtype="bfloat16", param_dtype="bfloat16")  # the released dimensions
+  config = dg.ModelConfig(dtype="bfloat16", param_dtype="bfloat16", moe_impl=impl)  # released dimensions
   mesh = parallel.make_mesh(dict(data=1, fsdp=1, expert=8, tensor=1))
   num_tokens = 8 * tokens_per_device
   args = (jax.ShapeDtypeStruct((num_tokens, config.hidden_size), jnp.bfloat16),
@@ -213,7 +213,7 @@ def _measure(tokens_per_device: int = 256):
       if "-v" in sys.argv:
         print(ops)
       memory = compiled.memory_analysis()
-      print(f"{name:16s} {kind:16s} T={tokens_per_device}/device: collective results {moved / 2**20:8.1f} MiB, "
+      print(f"{impl} {name:16s} {kind:16s} T={tokens_per_device}/device: collective results {moved / 2**20:8.1f} MiB, "
             f"temp {memory.temp_size_in_bytes / 2**20:8.1f} MiB, arguments "
             f"{memory.argument_size_in_bytes / 2**20:7.1f} MiB per device")
 
@@ -225,6 +225,6 @@ def _unbox(tree):
 
 if __name__ == "__main__":
   if "--measure" in sys.argv:
-    _measure(*[int(a) for a in sys.argv[sys.argv.index("--measure") + 1:] if a.isdigit()])
+    _measure(*[int(a) if a.isdigit() else a for a in sys.argv[sys.argv.index("--measure") + 1:] if a != "-v"])
   else:
     _main()
