@@ -14,9 +14,10 @@ Three interchangeable implementations of the same function (`ModelConfig.moe_imp
 Expert parallelism. Under a mesh whose `expert` axis has n > 1 devices (`jax.set_mesh(mesh)` around the
 jitted call, read by `get_abstract_mesh()`; without it jit's shardings alone leave the experts to GSPMD),
 the experts run inside `jax.shard_map`: each device keeps its E/n experts' weights and the tokens travel.
-The tokens, split over the batch axes (data, fsdp, expert), are all-gathered along `expert` with their routing (ids and weights); each device runs its local experts on
-the assignments that chose them, weights and sums them per token in float32, and `psum_scatter` along
-`expert` returns each device the sum over all experts for its own tokens. Exact: nothing is dropped.
+The tokens, split over the batch axes (data, fsdp, expert), are all-gathered along `expert` with their
+routing (ids and weights); each device runs its local experts on the assignments that chose them, weights
+and sums them per token in float32, and `psum_scatter` along `expert` returns each device the sum over
+all experts for its own tokens. Exact: nothing is dropped.
 With `expert_mlp -> tensor`, each tensor device holds an F/t slice of every local expert (the GeGLU is
 elementwise in F, so the slice is self-contained) and a `psum` over `tensor` completes the second matmul
 (F not divisible by the tensor size: the experts are replicated over `tensor`, every tensor device runs
