@@ -213,8 +213,8 @@ def _measure(tokens_per_device: int = 256, impl: str = "grouped"):
       if "-v" in sys.argv:
         print(ops)
       memory = compiled.memory_analysis()
-      print(f"{impl} {name:16s} {kind:16s} T={tokens_per_device}/device: collective results {moved / 2**20:8.1f} MiB, "
-            f"temp {memory.temp_size_in_bytes / 2**20:8.1f} MiB, arguments "
+      print(f"{impl} {name:16s} {kind:16s} T={tokens_per_device}/device: collective results "
+            f"{moved / 2**20:8.1f} MiB, temp {memory.temp_size_in_bytes / 2**20:8.1f} MiB, arguments "
             f"{memory.argument_size_in_bytes / 2**20:7.1f} MiB per device")
 
 
