@@ -252,8 +252,8 @@ def main(argv):
   prompt_length = _PROMPT_LENGTH.value or config.data.prompt_length
   ids = _validation_ids(config, workdir)
 
-  peak = benchmarks.matmul_peak_flops(1024 if quick else 2048, repeats=max(repeats, 2))
-  bandwidth = benchmarks.copy_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 2))
+  peak = benchmarks.matmul_peak_flops(1024 if quick else 2048, repeats=max(repeats, 5))
+  bandwidth = benchmarks.copy_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 5))
   results = {
       "config": pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem,
       "params": source,
