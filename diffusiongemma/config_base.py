@@ -27,6 +27,7 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.diffusion.eps = 1e-4  # t ~ U(eps, 1 - eps)
   config.diffusion.self_conditioning_prob = 0.5
   config.diffusion.ar_loss_weight = 1.0
+  config.diffusion.diffusion_loss_weight = 1.0  # 0: train the encoder alone (configs/small_ar.py)
   # `diffusion_loss_weight` (LossConfig default 1.0; 0 trains the encoder alone, see configs/small_ar.py)
   # is set only by the configs that change it: a field added here would make every existing checkpoint's
   # saved config disagree with the current one, and refuse to resume or evaluate.

@@ -236,6 +236,7 @@ def _table(results: dict) -> str:
 
 def main(argv):
   del argv
+  dg.training.quiet_orbax_logs()
   config = _CONFIG.value
   workdir = pathlib.Path(_WORKDIR.value or "workdir/benchmark")
   workdir.mkdir(parents=True, exist_ok=True)

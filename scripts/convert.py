@@ -92,6 +92,7 @@ def to_hf(cfg: ModelConfig, variables, hf_dir, *, dtype=None, vision_from=None,
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  training.quiet_orbax_logs()
   sources = {k: v for k, v in (("--from_hf", _FROM_HF.value), ("--from_workdir", _FROM_WORKDIR.value),
                                ("--from_orbax", _FROM_ORBAX.value)) if v}
   targets = {k: v for k, v in (("--to_hf", _TO_HF.value), ("--to_orbax", _TO_ORBAX.value)) if v}

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 import numpy as np
 
 import diffusiongemma as dg
+from diffusiongemma import training
 from diffusiongemma.sampling import runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
@@ -44,6 +45,7 @@ def _batches(items, size):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  training.quiet_orbax_logs()
   config = _CONFIG.value
   cfg, variables, source = runner.load_model(config, _WORKDIR.value, _HF.value, _RANDOM.value, _SEED.value)
   tokenizer = dg.data.get_tokenizer(_WORKDIR.value, path=config.data.tokenizer_path or None,

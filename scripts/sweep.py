@@ -25,6 +25,7 @@ from absl import logging
 from ml_collections import config_flags
 
 import diffusiongemma as dg
+from diffusiongemma import training
 from diffusiongemma.sampling import quality
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
@@ -89,6 +90,7 @@ def _plot(settings: list[dict], judge: str, path: pathlib.Path) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  training.quiet_orbax_logs()
   bounds, steps = _grid(_BOUNDS.value, _STEPS.value)
   evaluation = quality.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
                                       num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,

@@ -56,12 +56,17 @@ def main():
     for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     batch = parallel.batch_sharding(mesh)
-    got = jax.jit(forward, in_shardings=(shardings, batch, batch))(params, prompt, canvas)
-    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
-    print(f"mesh {sizes}: max |sharded - one device| = {np.abs(np.asarray(got) - want).max():.2e}")
+    sharded_forward = jax.jit(forward, in_shardings=(shardings, batch, batch))
+    got = sharded_forward(params, prompt, canvas)  # GSPMD alone: expert weights are gathered
+    with jax.set_mesh(mesh):  # the mesh in context: the MoE runs expert-parallel (shard_map)
+      got_ep = sharded_forward(params, prompt, canvas)
+    for name, out in (("gspmd", got), ("mesh in context", got_ep)):
+      np.testing.assert_allclose(np.asarray(out), want, atol=1e-5)
+      print(f"mesh {sizes}, {name}: max |sharded - one device| = {np.abs(np.asarray(out) - want).max():.2e}")
     sampler = dg.Sampler(model, dg.SamplerConfig(max_denoising_steps=6, prompt_bucket=8))
-    sharded = sampler.generate(params, prompt, jax.random.key(3), max_new_tokens=16)
     single = sampler.generate(want_params, prompt, jax.random.key(3), max_new_tokens=16)
+    with jax.set_mesh(mesh):
+      sharded = sampler.generate(params, prompt, jax.random.key(3), max_new_tokens=16)
     np.testing.assert_array_equal(np.asarray(sharded.tokens), np.asarray(single.tokens))
   print("OK")
 

@@ -84,6 +84,19 @@ def _assert_same_params(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_config_mismatches_read_a_field_an_old_checkpoint_lacks_as_its_default():
+  current = training.checkpoint.config_to_json(load_config_file("configs/tiny.py"))
+  old = json.loads(json.dumps(current))
+  del old["diffusion"]["diffusion_loss_weight"]  # written before the field existed
+  assert training.config_mismatches(old, current) == []
+  current["diffusion"]["diffusion_loss_weight"] = 0.0
+  assert training.config_mismatches(old, current) == [
+      "diffusion.diffusion_loss_weight: checkpoint 1.0, config 0.0"]
+  current["train"]["num_steps"] = 7  # operational: may change between runs
+  current["train"]["learning_rate"] = 1.0
+  assert training.config_mismatches(old, current)[-1].startswith("train.learning_rate: checkpoint")
+
+
 def test_learning_rate_schedule_and_clipping():
   train = dict(learning_rate=1e-2, warmup_steps=10, num_steps=110, final_learning_rate_ratio=0.1,
                adam_b1=0.9, adam_b2=0.95, weight_decay=0.0, grad_clip=1.0)

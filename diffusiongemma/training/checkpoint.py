@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from diffusiongemma import config_base
+
 CHECKPOINT_DIRNAME = "checkpoints"
 CONFIG_FILENAME = "config.json"
 # config.train fields that may differ between a checkpoint and the run resuming it.
@@ -45,12 +47,14 @@ def config_to_json(config) -> dict[str, Any]:
 def config_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
   """'section.field: checkpoint X, config Y' for every field that must match and does not."""
   out = []
+  defaults = config_to_json(config_base.base_config())
   for section in CHECKED_SECTIONS:
     a, b = dict(saved.get(section, {})), dict(current.get(section, {}))
     for key in sorted(set(a) | set(b)):
       if section == "train" and key in OPERATIONAL_TRAIN_FIELDS:
         continue
-      missing = "<missing>"
+      # A field one side lacks (a checkpoint older than the field) reads as its base_config default.
+      missing = defaults.get(section, {}).get(key, "<missing>")
       if a.get(key, missing) != b.get(key, missing):
         out.append(f"{section}.{key}: checkpoint {a.get(key, missing)!r}, config {b.get(key, missing)!r}")
   return out

@@ -176,10 +176,17 @@ class Progress:
 
 
 def quiet_orbax_logs() -> None:
-  """Hides orbax's INFO chatter (several lines per save) from absl's log; warnings still show."""
+  """Hides orbax's INFO chatter (several lines per save) from absl's log; warnings still show, but for
+  the one `load_params` always triggers (it reads the `state` item alone, whose folder has no
+  checkpoint-level metadata file)."""
   import logging as std_logging  # pylint: disable=g-import-not-at-top
-  logging.get_absl_handler().addFilter(
-      lambda r: r.levelno >= std_logging.WARNING or "orbax" not in r.pathname)
+
+  def keep(record) -> bool:
+    if "orbax" not in record.pathname:
+      return True
+    return record.levelno >= std_logging.WARNING and "_CHECKPOINT_METADATA" not in record.getMessage()
+
+  logging.get_absl_handler().addFilter(keep)
 
 
 def _duration(seconds: float) -> str:
