@@ -39,7 +39,8 @@ def test_benchmark_quick_on_tiny(tmp_path):
                 "steps_per_canvas", "diffusion_latency_seconds", "ar_latency_seconds"):
       assert math.isfinite(row[key]) and row[key] > 0, (key, row[key])
     assert row["steps_per_canvas"] <= 6
-  for key in ("denoiser_mfu", "ar_step_bandwidth_fraction", "denoiser_flops", "ar_step_bytes"):
+  for key in ("denoiser_mfu", "ar_step_bandwidth_fraction", "denoiser_flops", "ar_step_bytes",
+              "ar_step_min_bytes"):
     assert math.isfinite(results["efficiency"][key]) and results["efficiency"][key] > 0, key
   assert [row["config"] for row in results["training"]] == ["tiny"]  # --quick: the first train config
   for key in ("tokens_per_second", "seconds_per_step", "compile_seconds", "flops_per_step", "mfu"):

@@ -146,6 +146,11 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
     training.load_params(tmp_path / "a", step=4)
   with pytest.raises(FileNotFoundError, match="No checkpoints"):
     training.load_params(tmp_path / "nothing")
+  # Extending a finished run is allowed, and says that the learning-rate schedule moved.
+  caplog.clear()
+  longer = training.train(_config(corpus, **{"train.num_steps": 7}), tmp_path / "a")
+  assert int(longer.step) == 7
+  assert any("num_steps is 7, the checkpoint's run had 6" in r.getMessage() for r in caplog.records)
 
 
 def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):

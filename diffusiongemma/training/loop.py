@@ -157,6 +157,10 @@ def train(config, workdir) -> TrainState:
       if main:
         metrics_lib.truncate_metrics(workdir, start_step)
       logging.info("Resumed from the checkpoint at step %d in %s.", start_step, checkpointer.directory)
+      saved_steps = meta.get("config", {}).get("train", {}).get("num_steps", tc.num_steps)
+      if saved_steps != tc.num_steps:  # allowed (extend or shorten a run), but it moves the schedule
+        logging.warning("config.train.num_steps is %d, the checkpoint's run had %d: the cosine learning-"
+                        "rate schedule now ends at step %d.", tc.num_steps, saved_steps, tc.num_steps)
     _write_config(workdir, setup.config_json)
     return _loop(config, setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
                  fresh=start_step is None)
