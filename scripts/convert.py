@@ -67,8 +67,7 @@ def load_orbax(orbax_dir, cfg: ModelConfig | None = None) -> tuple[ModelConfig, 
     cfg = _saved_config(orbax_dir / MODEL_CONFIG_FILENAME, lambda values: values)
   checkpointer = ocp.StandardCheckpointer()
   saved = checkpointer.metadata(orbax_dir / PARAMS_DIRNAME).item_metadata.tree
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), saved)
+  target = ckpt_lib.abstract_with_sharding(saved, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
   return cfg, checkpointer.restore(orbax_dir / PARAMS_DIRNAME, target)
 
 

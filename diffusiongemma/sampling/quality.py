@@ -31,9 +31,7 @@ import numpy as np
 from diffusiongemma import data as data_lib
 from diffusiongemma.model import DiffusionGemma, ModelConfig
 from diffusiongemma.sampling import runner
-
-CONFIG_FILENAME = "config.json"  # what training writes into its workdir
-
+from diffusiongemma.training.checkpoint import CONFIG_FILENAME  # what training writes into its workdir
 
 @dataclasses.dataclass(frozen=True)
 class Judge:
@@ -130,11 +128,8 @@ def sample(sampler, variables, prompts: np.ndarray, rng, max_new_tokens: int, ba
                            max_new_tokens=max_new_tokens)
     continuations += [runner.new_tokens(row, stop, pad) for row in np.asarray(out.tokens)[:real]]
     passes.append(np.asarray(out.canvas_passes)[:real])
-  passes = np.concatenate(passes)  # [N, K]
-  ran = passes[passes > 0]
-  stats = {"tokens_per_forward": sum(len(c) for c in continuations) / max(int(passes.sum()), 1),
-           "steps_per_canvas": float(ran.mean()) if ran.size else 0.0}
-  return continuations, stats
+  stats = runner.pass_stats(sum(len(c) for c in continuations), np.concatenate(passes))
+  return continuations, {k: stats[k] for k in ("tokens_per_forward", "steps_per_canvas")}
 
 
 def validation_prompts(config, tokenizer, num_samples: int) -> tuple[np.ndarray, np.ndarray]:

@@ -115,17 +115,17 @@ def new_tokens(row: np.ndarray, stop_tokens: Sequence[int], pad_id: int) -> list
 
 def stats(out: SampleOutput, seconds: float, stop_tokens: Sequence[int], pad_id: int) -> dict[str, float]:
   """Tokens/s, tokens per forward and steps per canvas of one `generate` output."""
-  tokens = np.asarray(out.tokens)
-  passes = np.asarray(out.canvas_passes)
-  count = sum(len(new_tokens(r, stop_tokens, pad_id)) for r in tokens)
+  count = sum(len(new_tokens(r, stop_tokens, pad_id)) for r in np.asarray(out.tokens))
+  return {"new_tokens": count, "tokens_per_s": count / seconds if seconds > 0 else float("inf"),
+          **pass_stats(count, np.asarray(out.canvas_passes))}
+
+
+def pass_stats(count: int, passes: np.ndarray) -> dict[str, float]:
+  """Tokens per forward (`count` new tokens over all denoiser passes), steps per canvas that ran, and
+  the number of passes, from `canvas_passes` ([B, K], of one or several `generate` outputs)."""
   ran = passes[passes > 0]
-  return {
-      "new_tokens": count,
-      "tokens_per_s": count / seconds if seconds > 0 else float("inf"),
-      "tokens_per_forward": count / max(int(passes.sum()), 1),
-      "steps_per_canvas": float(ran.mean()) if ran.size else 0.0,
-      "denoiser_passes": int(passes.sum()),
-  }
+  return {"tokens_per_forward": count / max(int(passes.sum()), 1),
+          "steps_per_canvas": float(ran.mean()) if ran.size else 0.0, "denoiser_passes": int(passes.sum())}
 
 
 def format_steps(out: SampleOutput, decode, row: int = 0, mask_token: int | None = None) -> list[str]:
