@@ -25,7 +25,7 @@ setuptools.setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "chex", "nbclient", "nbformat", "ipykernel"],
+        "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
     },
