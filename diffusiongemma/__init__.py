@@ -1,18 +1,18 @@
 """diffusiongemma: DiffusionGemma block diffusion in JAX/Flax."""
 
-from diffusiongemma import convert, data
-from diffusiongemma import model
-from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
-from diffusiongemma import sampling
+from diffusiongemma import build
+from diffusiongemma import convert
+from diffusiongemma import data
 from diffusiongemma import diffusion
-from diffusiongemma import training
+from diffusiongemma import evaluation
+from diffusiongemma import model
 from diffusiongemma import parallel
-from diffusiongemma.sampling import Sampler, SamplerConfig
+from diffusiongemma import sampling
+from diffusiongemma import training
+from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
+from diffusiongemma.sampling import ARSampler, Sampler, SamplerConfig
 
 __all__ = [
-    "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "convert", "data", "model",
-    "sampling",
-    "diffusion",
-    "training",
-    "parallel",
+    "ARSampler", "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "build", "convert",
+    "data", "diffusion", "evaluation", "model", "parallel", "sampling", "training",
 ]

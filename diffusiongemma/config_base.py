@@ -1,7 +1,7 @@
-"""The ml_collections layout shared by every config file and binary (see DESIGN.md).
+"""The ml_collections layout shared by every config file and binary.
 
-`configs/*.py` call `base_config(**model_fields)` and override what they need; binaries turn
-`config.model` into a `ModelConfig` once (`ModelConfig.from_dict`).
+`configs/*.py` call `base_config(**model_fields)` and override what they need; `diffusiongemma.build` is the
+one place that turns a config into objects (model config, noise, loss, sampler).
 """
 
 from __future__ import annotations
@@ -28,9 +28,6 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.diffusion.self_conditioning_prob = 0.5
   config.diffusion.ar_loss_weight = 1.0
   config.diffusion.diffusion_loss_weight = 1.0  # 0: train the encoder alone (configs/small_ar.py)
-  # `diffusion_loss_weight` (LossConfig default 1.0; 0 trains the encoder alone, see configs/small_ar.py)
-  # is set only by the configs that change it: a field added here would make every existing checkpoint's
-  # saved config disagree with the current one, and refuse to resume or evaluate.
   config.diffusion.all_canvases = False  # train every canvas in one block-causal pass (BD3-LM style)
   config.diffusion.mask_token_id = -1  # masked noise: -1 means model.vocab_size - 1
 

@@ -1,8 +1,9 @@
 r"""Diffusion sampling against autoregressive decoding on the same weights, with the machine's limits.
 
 One process, one run, the same parameters and prompts for both decoders:
-- per batch size: new tokens/s, latency per sequence, tokens per denoiser pass, steps per canvas, and
-  the compile time of each decoder reported apart (first call minus a timed run);
+- per batch size: new tokens/s, latency per sequence, tokens per denoiser pass (pooled and the mean of the
+  rows, `sampling.stats`), steps per canvas, and the compile time of each decoder reported apart (first
+  call minus the median run);
 - the denoiser pass's achieved FLOP/s as a fraction of a float32 matmul peak measured here (MFU), and
   the AR step's bytes/s as a fraction of a measured read bandwidth (a matrix-vector product), counting
   the bytes it must read: every parameter and the KV cache once (XLA's per-op `bytes accessed`, which
@@ -12,19 +13,24 @@ One process, one run, the same parameters and prompts for both decoders:
   random tokens: tokens/s, seconds per step, compile time apart, XLA's FLOPs per step and MFU.
 It writes `<workdir>/benchmark.json`, prints markdown tables and draws two PNG plots (tokens/s against
 batch size; accepted tokens per denoising step across a canvas). Parameters come from the latest
-checkpoint in `--workdir` when there is one, else a random initialisation (say so in results).
+checkpoint in `--workdir` when there is one, else a random initialisation (say so in results). The model,
+the diffusion sampler (with the noise the model was trained with, `config.diffusion.noise`) and the AR
+decoder all come from `build`, as in every other binary.
 
   python scripts/benchmark.py --config=configs/tiny.py --workdir=workdir/tiny --quick
   python scripts/benchmark.py --config=configs/small.py --workdir=workdir/small --batch_sizes=1,4,16
 
 benchmark.json (times in seconds, rates per second, every number finite and >= 0):
   config, params                 config file stem; "checkpoint step N" or "random init (...)"
-  model                          total_parameters, active_parameters, canvas_length
-  sampler                        max_new_tokens, prompt_length and every SamplerConfig field
+  model                          total_parameters, active_parameters, canvas_length, dtype
+  sampler                        max_new_tokens, prompt_length and every setting of the sampler
+                                 (`Sampler.settings()`: SamplerConfig fields, noise, rules, dtype)
   machine                        backend, devices, processor, matmul_peak_gflops, read_bandwidth_gbps
   decoding[]                     one per batch size: batch_size; for diffusion_ and ar_: seconds,
                                  compile_seconds, tokens_per_second, latency_seconds, new_tokens;
-                                 tokens_per_forward, steps_per_canvas, speedup (diffusion / AR tok/s)
+                                 pooled_tokens_per_forward, mean_tokens_per_forward, steps_per_canvas,
+                                 row_tokens_per_forward (each row's), speedup (diffusion / AR tok/s)
+  prompts                        the prompt tokens of the smallest batch (to rerun it elsewhere)
   efficiency                     at the largest batch: batch_size; for denoiser_ and ar_step_: seconds,
                                  flops, bytes (XLA), min_bytes (parameters + KV cache), mfu,
                                  bandwidth_fraction (min_bytes / seconds / read bandwidth)
@@ -53,10 +59,8 @@ from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma import benchmarks
+from diffusiongemma import build
 from diffusiongemma.config_base import load_config_file
-from diffusiongemma.model import layers
-from diffusiongemma.model import moe
-from diffusiongemma.sampling import runner
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
@@ -64,21 +68,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoint to benchmark, and wh
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes for both decoders.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "New tokens per row (0: config.sampler's).")
 _PROMPT_LENGTH = flags.DEFINE_integer("prompt_length", 0, "Prompt tokens (0: config.data.prompt_length).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per figure (median).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per figure (median; peaks: the best of 5 or more).")
 _QUICK = flags.DEFINE_bool("quick", False, "Smallest sizes: batch sizes 1 and 4, one repeat, small peaks.")
 _TRAIN_CONFIGS = flags.DEFINE_list(
     "train_configs", ["configs/tiny.py", "configs/small.py"],
     "Config files (path or path:arg) whose train step is timed; --quick times only the first.")
 _OUTPUT = flags.DEFINE_string("output", "", "JSON path (default: <workdir>/benchmark.json).")
-
-
-def _params(cfg: dg.ModelConfig, workdir: pathlib.Path):
-  """(params, source): the newest checkpoint's parameters in `workdir`, else a seeded random init."""
-  restored = runner.restore_workdir_params(workdir)
-  if restored is not None:
-    variables, step = restored
-    return variables["params"], f"checkpoint step {step}"
-  return runner.random_params(dg.DiffusionGemma(cfg))["params"], "random init (no checkpoint in the workdir)"
 
 
 def _prompts(cfg: dg.ModelConfig, batch: int, length: int, tokenizer_ids: np.ndarray | None) -> jax.Array:
@@ -99,25 +94,24 @@ def _validation_ids(config, workdir: pathlib.Path) -> np.ndarray | None:
   return dg.data.tokenize_corpus(texts[:50], tokenizer)
 
 
-def _decoders(sampler, params, prompts, rng, new_tokens, repeats):
+def _decoders(sampler, ar_sampler, params, prompts, rng, new_tokens, repeats):
   """Timings and statistics of both decoders at one batch size."""
-  batch = prompts.shape[0]
-  diffusion = lambda: sampler.generate(params, prompts, rng, max_new_tokens=new_tokens)
-  ar = lambda: sampler.autoregressive(params, prompts, rng, max_new_tokens=new_tokens)
-  row = {"batch_size": batch}
-  for name, fn in (("diffusion", diffusion), ("ar", ar)):
-    first, out = benchmarks.first_call_seconds(fn)
-    seconds = benchmarks.median_seconds(fn, repeats=repeats)
-    new = int(np.sum(np.asarray(out.tokens) != sampler.model.config.pad_id))
-    row[f"{name}_seconds"] = seconds
-    row[f"{name}_compile_seconds"] = max(first - seconds, 0.0)
-    row[f"{name}_tokens_per_second"] = new / seconds
-    row[f"{name}_latency_seconds"] = seconds  # every row of the batch finishes within one call
+  pad = sampler.model.config.pad_id
+  row = {"batch_size": prompts.shape[0]}
+  diffusion = benchmarks.time_call(sampler.generate, params, prompts, rng, new_tokens, repeats=repeats)
+  ar = benchmarks.time_call(ar_sampler.generate, params, prompts, rng, new_tokens, repeats=repeats)
+  for name, timing in (("diffusion", diffusion), ("ar", ar)):
+    new = int(dg.sampling.stats.new_token_counts(timing.output.tokens, pad).sum())
+    row[f"{name}_seconds"] = timing.median
+    row[f"{name}_compile_seconds"] = timing.compile_seconds
+    row[f"{name}_tokens_per_second"] = new / timing.median
+    row[f"{name}_latency_seconds"] = timing.median  # every row of the batch finishes within one call
     row[f"{name}_new_tokens"] = new
-    if name == "diffusion":
-      passes = np.asarray(out.canvas_passes)
-      row["tokens_per_forward"] = float(np.mean(np.asarray(out.tokens_per_forward)))
-      row["steps_per_canvas"] = float(passes[passes > 0].mean()) if (passes > 0).any() else 0.0
+  out = diffusion.output
+  summary = dg.sampling.stats.summary(out.tokens, out.canvas_passes, pad)
+  for key in ("pooled_tokens_per_forward", "mean_tokens_per_forward", "steps_per_canvas", "denoiser_passes"):
+    row[key] = summary[key]
+  row["row_tokens_per_forward"] = np.asarray(out.tokens_per_forward).tolist()
   row["speedup"] = row["diffusion_tokens_per_second"] / row["ar_tokens_per_second"]
   return row
 
@@ -138,7 +132,7 @@ def _efficiency(model, params, prompts, peak_flops, bandwidth, repeats):
   for name, fn, args in (("denoiser", denoise, (variables, canvas, cache)), ("ar_step", step,
                                                                           (variables, token, cache))):
     counted = benchmarks.cost(fn, *args)
-    seconds = benchmarks.median_seconds(jax.jit(fn), *args, repeats=repeats)
+    seconds = benchmarks.time_call(jax.jit(fn), *args, repeats=repeats).median
     out[f"{name}_seconds"] = seconds
     out[f"{name}_flops"] = counted["flops"]
     out[f"{name}_bytes"] = counted["bytes accessed"]
@@ -146,23 +140,6 @@ def _efficiency(model, params, prompts, peak_flops, bandwidth, repeats):
     out[f"{name}_min_bytes"] = min_bytes
     out[f"{name}_bandwidth_fraction"] = min_bytes / seconds / bandwidth
   return out
-
-
-def _moe_vs_dense(cfg: dg.ModelConfig, tokens: int, repeats: int) -> dict:
-  """The model's MoE layer (router + experts) against a dense GeGLU of width top_k x expert width."""
-  x = jax.random.normal(jax.random.key(0), (tokens, cfg.hidden_size))
-  router, experts = moe.Router(cfg), moe.Experts(cfg)
-  r_vars = router.init(jax.random.key(1), x)
-  weights, chosen = router.apply(r_vars, x)
-  e_vars = experts.init(jax.random.key(2), x, weights, chosen)
-  layer = jax.jit(lambda rv, ev, h: experts.apply(ev, h, *router.apply(rv, h)))
-  mlp = layers.FeedForward(cfg.hidden_size, cfg.top_k * cfg.moe_intermediate_size, jnp.float32, jnp.float32)
-  m_vars = mlp.init(jax.random.key(3), x[None])
-  moe_s = benchmarks.median_seconds(layer, r_vars, e_vars, x, repeats=repeats)
-  dense_s = benchmarks.median_seconds(jax.jit(mlp.apply), m_vars, x[None], repeats=repeats)
-  return {"tokens": tokens, "moe_seconds": moe_s, "dense_same_active_seconds": dense_s,
-          "moe_over_dense": moe_s / dense_s, "impl": cfg.moe_impl, "experts": cfg.num_experts,
-          "top_k": cfg.top_k}
 
 
 def _training(config_files: list[str], peak_flops: float, repeats: int) -> list[dict]:
@@ -211,11 +188,12 @@ def _plots(results: dict, trace_counts: np.ndarray, directory: pathlib.Path) -> 
 
 
 def _table(results: dict) -> str:
-  lines = ["| batch | diffusion tok/s | AR tok/s | diffusion / AR | tokens per forward | steps per canvas | "
-           "diffusion compile s | AR compile s |", "|---" * 8 + "|"]
+  lines = [f"noise {results['sampler']['noise']}, {results['params']}",
+           "| batch | diffusion tok/s | AR tok/s | diffusion / AR | tokens per forward (pooled) | "
+           "steps per canvas | diffusion compile s | AR compile s |", "|---" * 8 + "|"]
   for r in results["decoding"]:
     lines.append(f"| {r['batch_size']} | {r['diffusion_tokens_per_second']:.1f} | "
-                 f"{r['ar_tokens_per_second']:.1f} | {r['speedup']:.2f} | {r['tokens_per_forward']:.2f} | "
+                 f"{r['ar_tokens_per_second']:.1f} | {r['speedup']:.2f} | {r['pooled_tokens_per_forward']:.2f} | "
                  f"{r['steps_per_canvas']:.1f} | {r['diffusion_compile_seconds']:.1f} | "
                  f"{r['ar_compile_seconds']:.1f} |")
   e = results["efficiency"]
@@ -247,13 +225,11 @@ def main(argv):
   quick = _QUICK.value
   repeats = 1 if quick else _REPEATS.value
   batch_sizes = [1, 4] if quick else [int(b) for b in _BATCH_SIZES.value]
-  cfg = dg.ModelConfig.from_dict(config.model)
-  model = dg.DiffusionGemma(cfg)
-  params, source = _params(cfg, workdir)
+  weights = build.load(config, workdir=workdir, random_init=dg.training.latest_step(workdir) is None)
+  cfg, params = weights.model_config, weights.variables["params"]
+  sampler, ar_sampler = build.sampler(config, cfg), build.ar_sampler(config, cfg)
   counts = dg.model.count_parameters(cfg)
-  sampler_config = dg.SamplerConfig.from_dict(config.sampler)
-  sampler = dg.Sampler(model, sampler_config)
-  new_tokens = _NEW_TOKENS.value or config.sampler.max_new_tokens
+  new_tokens = _NEW_TOKENS.value or build.max_new_tokens(config)
   prompt_length = _PROMPT_LENGTH.value or config.data.prompt_length
   ids = _validation_ids(config, workdir)
 
@@ -261,10 +237,10 @@ def main(argv):
   bandwidth = benchmarks.read_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 5))
   results = {
       "config": pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem,
-      "params": source,
+      "params": weights.source,
       "model": {"total_parameters": counts["total"], "active_parameters": counts["active"],
-                "canvas_length": cfg.canvas_length},
-      "sampler": {"max_new_tokens": new_tokens, "prompt_length": prompt_length, **sampler_config.__dict__},
+                "canvas_length": cfg.canvas_length, "dtype": cfg.dtype},
+      "sampler": {"max_new_tokens": new_tokens, "prompt_length": prompt_length, **sampler.settings()},
       "machine": {"backend": jax.default_backend(), "devices": jax.device_count(),
                   "processor": platform.processor() or platform.machine(),
                   "matmul_peak_gflops": peak / 1e9, "read_bandwidth_gbps": bandwidth / 1e9},
@@ -273,20 +249,23 @@ def main(argv):
   rng = jax.random.key(1)
   for batch in batch_sizes:
     prompts = _prompts(cfg, batch, prompt_length, ids)
-    row = _decoders(sampler, params, prompts, rng, new_tokens, repeats)
+    if batch == min(batch_sizes):
+      results["prompts"] = np.asarray(prompts).tolist()
+    row = _decoders(sampler, ar_sampler, params, prompts, rng, new_tokens, repeats)
     results["decoding"].append(row)
     logging.info("batch %d: %s", batch, row)
   results["efficiency"] = {"batch_size": batch_sizes[-1],
-                           **_efficiency(model, params, prompts, peak, bandwidth, repeats)}
-  results["moe"] = _moe_vs_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
+                           **_efficiency(sampler.model, params, prompts, peak, bandwidth, repeats)}
+  results["moe"] = benchmarks.moe_against_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
   train_configs = _TRAIN_CONFIGS.value[:1] if quick else _TRAIN_CONFIGS.value
   results["training"] = _training(train_configs, peak, repeats)
 
   traced = sampler.generate(params, prompts, rng, max_new_tokens=cfg.canvas_length, return_trace=True)
-  accepted = runner.accepted_per_step(traced)[0]  # [steps] of the first canvas; NaN after every row stopped
+  accepted = dg.sampling.stats.accepted_per_step(traced)[0]  # [steps] of the first canvas; NaN after all stop
   accepted = accepted[~np.isnan(accepted)]
   results["accepted_per_step"] = accepted.tolist()
   output = pathlib.Path(_OUTPUT.value) if _OUTPUT.value else workdir / "benchmark.json"
+  output.parent.mkdir(parents=True, exist_ok=True)
   results["plots"] = _plots(results, accepted, output.parent)
   output.write_text(json.dumps(results, indent=2, default=float))
   print(_table(results))

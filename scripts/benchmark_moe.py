@@ -3,7 +3,8 @@ r"""MoE layer time against the number of experts at fixed top-k: grouped vs ragg
 At fixed top-k the useful work per token is constant, so a sparse layer should take about the same time
 for 8 or 128 experts, while the dense all-experts reference grows linearly. A dense GeGLU MLP with the
 same active parameters (k x the expert width) is the floor. Everything runs in one process, side by side,
-and reports the median of `--repeats` timed calls after one warm-up (compile) call.
+and reports the median of `--repeats` timed calls after one warm-up (compile) call
+(`benchmarks.moe_against_dense`: the router and the experts, as the model runs them).
 
   python scripts/benchmark_moe.py                      # the README table (T=2048, D=F=256, k=2)
   python scripts/benchmark_moe.py --experts=8,16 --repeats=2 --output=/tmp/moe.json
@@ -16,12 +17,9 @@ import json
 from absl import app
 from absl import flags
 import jax
-import jax.numpy as jnp
 
 import diffusiongemma as dg
 from diffusiongemma import benchmarks
-from diffusiongemma.model import layers
-from diffusiongemma.model import moe
 
 _EXPERTS = flags.DEFINE_list("experts", ["8", "16", "32", "64", "128"], "Numbers of experts to time.")
 _IMPLS = flags.DEFINE_list("impls", ["grouped", "ragged", "dense"], "MoE implementations to time.")
@@ -31,10 +29,6 @@ _FFN = flags.DEFINE_integer("ffn", 256, "Expert width F.")
 _TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token.")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed calls per measurement (median reported).")
 _OUTPUT = flags.DEFINE_string("output", "", "Write the results as JSON here.")
-
-
-def _time(fn, *args) -> float:
-  return benchmarks.median_seconds(fn, *args, repeats=_REPEATS.value)
 
 
 def _config(num_experts: int, impl: str) -> dg.ModelConfig:
@@ -47,28 +41,22 @@ def _config(num_experts: int, impl: str) -> dg.ModelConfig:
 def main(argv):
   del argv
   t, d, f, k = _TOKENS.value, _HIDDEN.value, _FFN.value, _TOP_K.value
-  x = jax.random.normal(jax.random.key(0), (t, d))
   useful_flops = 2 * t * k * 3 * d * f  # gate, up and down projections of the k chosen experts
-
-  mlp = layers.FeedForward(d, k * f, jnp.float32, jnp.float32)
-  mlp_vars = mlp.init(jax.random.key(1), x[None])
-  mlp_seconds = _time(jax.jit(mlp.apply), mlp_vars, x[None])
-  results = {"tokens": t, "hidden": d, "ffn": f, "top_k": k, "backend": jax.default_backend(),
-             "dense_mlp_same_active_ms": 1e3 * mlp_seconds, "moe": []}
-  print(f"T={t} D={d} F={f} k={k} on {jax.default_backend()}; a dense MLP of width k*F={k * f}: "
-        f"{1e3 * mlp_seconds:.1f} ms")
-  print("| experts | " + " | ".join(f"{impl} ms" for impl in _IMPLS.value) + " | " +
-        " | ".join(f"{impl} useful GFLOP/s" for impl in _IMPLS.value) + " |")
-  print("|---" * (1 + 2 * len(_IMPLS.value)) + "|")
+  results = {"tokens": t, "hidden": d, "ffn": f, "top_k": k, "backend": jax.default_backend(), "moe": []}
+  header = False
   for num_experts in map(int, _EXPERTS.value):
-    # Routing as the model does it, from a random router: realistic, unbalanced groups.
-    router = moe.Router(_config(num_experts, "grouped"))
-    weights, experts = jax.jit(router.apply)(router.init(jax.random.key(2), x), x)
     row = {"experts": num_experts}
     for impl in _IMPLS.value:
-      layer = moe.Experts(_config(num_experts, impl))
-      variables = layer.init(jax.random.key(3), x, weights, experts)
-      row[f"{impl}_ms"] = 1e3 * _time(jax.jit(layer.apply), variables, x, weights, experts)
+      measured = benchmarks.moe_against_dense(_config(num_experts, impl), t, repeats=_REPEATS.value)
+      row[f"{impl}_ms"] = 1e3 * measured["moe_seconds"]
+      row["dense_mlp_same_active_ms"] = 1e3 * measured["dense_same_active_seconds"]
+    if not header:
+      print(f"T={t} D={d} F={f} k={k} on {jax.default_backend()}; a dense MLP of width k*F={k * f}: "
+            f"{row['dense_mlp_same_active_ms']:.1f} ms")
+      print("| experts | " + " | ".join(f"{impl} ms" for impl in _IMPLS.value) + " | " +
+            " | ".join(f"{impl} useful GFLOP/s" for impl in _IMPLS.value) + " |")
+      print("|---" * (1 + 2 * len(_IMPLS.value)) + "|")
+      header = True
     results["moe"].append(row)
     ms = [row[f"{impl}_ms"] for impl in _IMPLS.value]
     print(f"| {num_experts} | " + " | ".join(f"{m:.1f}" for m in ms) + " | " +

@@ -7,7 +7,7 @@ r"""Evaluates the latest (or --step) checkpoint in --workdir on the validation s
 Prints and writes to workdir/eval.json: the validation diffusion loss, the encoder's next-token
 perplexity and, for masked noise, the perplexity bound. With --generative it also samples continuations
 of --num_samples validation prompts with config.sampler (the latest checkpoint) and scores them
-(diffusiongemma/sampling/quality.py): their perplexity under the model's own encoder and, with
+(diffusiongemma/evaluation/generative.py): their perplexity under the model's own encoder and, with
 --baseline_workdir (a model trained by configs/small_ar.py on the same tokenizer), under that
 autoregressive baseline, their unigram entropy, the same figures of the real validation continuations,
 and the sampler's tokens per forward; those go to workdir/generative.json and are printed too.
@@ -21,7 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffusiongemma import training
-from diffusiongemma.sampling import quality
+from diffusiongemma.evaluation import generative
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
                                           lock_config=True)
@@ -45,7 +45,7 @@ def main(argv):
   results = training.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value,
                               num_batches=_NUM_BATCHES.value)
   if _GENERATIVE.value:
-    evaluation = quality.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
+    evaluation = generative.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
                                         num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,
                                         seed=_SEED.value)
     results["generative"] = evaluation.run(_MAX_NEW.value or None)

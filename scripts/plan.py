@@ -27,7 +27,7 @@ _DEVICE_GB = flags.DEFINE_float("device_gb", 80.0, "Memory per device, GB (1e9 b
 def main(argv):
   del argv
   config = _CONFIG.value
-  cfg = dg.ModelConfig.from_dict(config.model)
+  cfg = dg.build.model_config(config)
   sizes = mesh_lib.mesh_shape(config.mesh, _NUM_DEVICES.value)
   plan = plan_lib.memory_plan(cfg, sizes, batch_size=_BATCH.value, sequence_length=_LENGTH.value,
                               training=_TRAINING.value, rules=mesh_lib.logical_rules(config.mesh))

@@ -6,22 +6,25 @@ r"""Samples from a DiffusionGemma model and prints the text and the sampler's st
       --prompt_file prompts.txt --batch_size 4 --autoregressive
   python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg --hf_checkpoint /path/to/hf_folder
 
-Weights: the latest checkpoint in --workdir/checkpoints, else --hf_checkpoint (a transformers folder),
-else --random_init. The tokenizer is config.data.tokenizer_path or --workdir/tokenizer.model (trained
-on the standard library if missing). Sampler settings are config.sampler (override them as
---config.sampler.max_denoising_steps=16). The first call compiles; the reported speed is a second call
-with the same shapes, so compile time is reported apart.
+Weights: --hf_checkpoint (a transformers folder) when given, else the latest checkpoint in
+--workdir/checkpoints, else (only with --random_init) a random initialisation. The tokenizer is
+config.data.tokenizer_path or --workdir/tokenizer.model (trained on the corpus if missing). The model, the
+noise (config.diffusion.noise: what the model was trained with) and the sampler settings (config.sampler,
+overridden as --config.sampler.max_denoising_steps=16) come from `build`, as in every binary. The first
+call compiles; the reported speed is a second call with the same shapes, so compile time is reported apart.
 """
+
+import pathlib
 
 from absl import app
 from absl import flags
 import jax
 from ml_collections import config_flags
-import numpy as np
 
 import diffusiongemma as dg
-from diffusiongemma import training
-from diffusiongemma.sampling import runner
+from diffusiongemma import benchmarks
+from diffusiongemma import build
+from diffusiongemma.sampling import stats
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (checkpoints, tokenizer).")
@@ -37,43 +40,49 @@ _AR = flags.DEFINE_bool("autoregressive", False, "Also decode greedily token by 
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _batches(items, size):
-  size = size or len(items)
-  return [items[i:i + size] for i in range(0, len(items), size)]
+def _prompts(prompt, prompt_file) -> list[str]:
+  texts = list(prompt)
+  if prompt_file:
+    texts += [line.rstrip("\n").replace("\\n", "\n") for line in
+              pathlib.Path(prompt_file).read_text().splitlines() if line.strip()]
+  if not texts:
+    raise app.UsageError("No prompt: pass --prompt or --prompt_file.")
+  return texts
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  training.quiet_orbax_logs()
+  dg.training.quiet_orbax_logs()
   config = _CONFIG.value
-  cfg, variables, source = runner.load_model(config, _WORKDIR.value, _HF.value, _RANDOM.value, _SEED.value)
-  tokenizer = dg.data.get_tokenizer(_WORKDIR.value, path=config.data.tokenizer_path or None,
-                                    vocab_size=config.data.vocab_size)
-  sampler = runner.sampler_for(cfg, config)
-  max_new = _MAX_NEW.value or config.sampler.max_new_tokens
-  print(f"weights: {source}; sampler: {sampler.config}")
-  for b, texts in enumerate(_batches(runner.load_prompts(_PROMPT.value, _PROMPT_FILE.value), _BATCH.value)):
-    prompts, lengths = runner.pad_prompts([[tokenizer.bos_id] + tokenizer.encode(t) for t in texts],
-                                          cfg.pad_id)
+  weights = build.load(config, workdir=_WORKDIR.value, hf_checkpoint=_HF.value, random_init=_RANDOM.value,
+                       seed=_SEED.value)
+  cfg = weights.model_config
+  tokenizer = build.tokenizer(config, _WORKDIR.value)
+  sampler, ar_sampler = build.sampler(config, cfg), build.ar_sampler(config, cfg)
+  max_new = _MAX_NEW.value or build.max_new_tokens(config)
+  print(f"weights: {weights.source}; sampler: {stats.describe(sampler.settings())}")
+  texts = _prompts(_PROMPT.value, _PROMPT_FILE.value)
+  size = _BATCH.value or len(texts)
+  for b, start in enumerate(range(0, len(texts), size)):
+    batch = texts[start:start + size]
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(t) for t in batch]
     rng = jax.random.key(_SEED.value + b)
-    timed = runner.timed(sampler.generate, variables, prompts, rng, max_new, lengths,
-                         return_trace=_SHOW_STEPS.value)
-    out = timed.output
-    for i, text in enumerate(texts):
-      ids = runner.new_tokens(out.tokens[i], sampler.stop_tokens, cfg.pad_id)
+    timing = benchmarks.time_call(sampler.generate, weights.variables, prompts, rng, max_new,
+                                  return_trace=_SHOW_STEPS.value)
+    out = timing.output
+    for i, text in enumerate(batch):
+      ids = stats.new_tokens(out.tokens[i], sampler.stop_tokens, cfg.pad_id)
       print(f"--- [{i}] {text!r}\n{tokenizer.decode([t for t in ids if t not in sampler.stop_tokens])}")
       if _SHOW_STEPS.value:
-        mask = dg.sampling.steps.mask_token(sampler.config, cfg.vocab_size) \
-            if sampler.config.noise == "masked" else None
-        print("\n".join(runner.format_steps(out, tokenizer.decode, i, mask)))
-    stats = runner.stats(out, timed.run_s, sampler.stop_tokens, cfg.pad_id)
-    print(f"diffusion: {runner.describe(stats)}; compile {timed.compile_s:.2f} s, run {timed.run_s:.3f} s")
+        print("\n".join(stats.format_steps(out, tokenizer.decode, i, sampler.noise.never_token)))
+    summary = stats.summary(out.tokens, out.canvas_passes, cfg.pad_id, timing.median)
+    print(f"diffusion: {stats.describe(summary)}; compile {timing.compile_seconds:.2f} s")
     if _AR.value:
-      ar = runner.timed(sampler.autoregressive, variables, prompts, rng, max_new, lengths)
-      count = int(np.sum(ar.output.num_forward_passes))
-      print(f"autoregressive (greedy): {count} tokens, {count / ar.run_s:.1f} tokens/s, 1 token per forward; "
-            f"compile {ar.compile_s:.2f} s, run {ar.run_s:.3f} s")
+      ar = benchmarks.time_call(ar_sampler.generate, weights.variables, prompts, rng, max_new)
+      count = int(stats.new_token_counts(ar.output.tokens, cfg.pad_id).sum())
+      print(f"autoregressive (greedy): {count} tokens, {count / ar.median:.1f} tokens/s, 1 token per forward; "
+            f"compile {ar.compile_seconds:.2f} s, run {ar.median:.3f} s")
 
 
 if __name__ == "__main__":

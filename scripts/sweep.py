@@ -2,7 +2,7 @@ r"""Quality against speed: generative perplexity and tokens per forward over ent
 
 For a trained workdir, every (entropy_bound, max_denoising_steps) setting samples continuations of the
 same validation prompts with the same seed (config.sampler otherwise) and scores them as
-`scripts/evaluate.py --generative` does (diffusiongemma/sampling/quality.py). A looser bound accepts more
+`scripts/evaluate.py --generative` does (diffusiongemma/evaluation/generative.py). A looser bound accepts more
 tokens per denoiser pass (faster) at some cost in quality; the step cap bounds the passes per canvas and
 also sets the temperature schedule's length. The released defaults (SamplerConfig's: entropy bound 0.1,
 48 steps) are always in the grid and are marked on the curve.
@@ -12,7 +12,7 @@ also sets the temperature schedule's length. The released defaults (SamplerConfi
 
 Writes `<workdir>/sweep.json` ({"settings": [...], one record of `GenerativeEval.run` per setting,
 "judge": the perplexity plotted, "defaults": {...}, "plot": path}) and `<workdir>/sweep.png` (tokens per
-forward against generative perplexity, one line per step cap; the dashed line is the same judge's
+forward (pooled: all new tokens / all passes) against generative perplexity, one line per step cap; the dashed line is the same judge's
 perplexity of the real validation continuations).
 """
 
@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma import training
-from diffusiongemma.sampling import quality
+from diffusiongemma.evaluation import generative
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
                                           lock_config=True)
@@ -66,13 +66,13 @@ def _plot(settings: list[dict], judge: str, path: pathlib.Path) -> None:
   fig, ax = plt.subplots(figsize=(5.5, 4))
   for steps in sorted({s["max_denoising_steps"] for s in settings}):
     row = sorted((s for s in settings if s["max_denoising_steps"] == steps), key=lambda s: s["entropy_bound"])
-    ax.plot([s["tokens_per_forward"] for s in row], [s[key] for s in row], "o-", label=f"max {steps} steps")
+    ax.plot([s["pooled_tokens_per_forward"] for s in row], [s[key] for s in row], "o-", label=f"max {steps} steps")
     for s in row:
-      ax.annotate(f"{s['entropy_bound']:g}", (s["tokens_per_forward"], s[key]), fontsize=7,
+      ax.annotate(f"{s['entropy_bound']:g}", (s["pooled_tokens_per_forward"], s[key]), fontsize=7,
                   textcoords="offset points", xytext=(3, 3))
   default = next(s for s in settings if s["entropy_bound"] == DEFAULTS.entropy_bound
                  and s["max_denoising_steps"] == DEFAULTS.max_denoising_steps)
-  ax.plot(default["tokens_per_forward"], default[key], "*", color="black", markersize=14,
+  ax.plot(default["pooled_tokens_per_forward"], default[key], "*", color="black", markersize=14,
           label=f"released defaults ({DEFAULTS.entropy_bound:g}, {DEFAULTS.max_denoising_steps} steps)")
   ax.axhline(settings[0][f"reference_{key}"], color="gray", linestyle="--", label="real continuations")
   ax.set(xscale="log", xlabel="tokens per forward (denoiser pass)",
@@ -92,7 +92,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   training.quiet_orbax_logs()
   bounds, steps = _grid(_BOUNDS.value, _STEPS.value)
-  evaluation = quality.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
+  evaluation = generative.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
                                       num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,
                                       seed=_SEED.value)
   settings = []
@@ -112,7 +112,7 @@ def main(argv):
   print(f"| entropy bound | max steps | tokens per forward | perplexity ({judge}) | unigram entropy |")
   print("|---" * 5 + "|")
   for s in settings:
-    print(f"| {s['entropy_bound']:g} | {s['max_denoising_steps']} | {s['tokens_per_forward']:.2f} | "
+    print(f"| {s['entropy_bound']:g} | {s['max_denoising_steps']} | {s['pooled_tokens_per_forward']:.2f} | "
           f"{s[f'perplexity_{judge}']:.1f} | {s['unigram_entropy']:.2f} |")
   print(f"wrote {output} and {plot}")
 

@@ -105,8 +105,8 @@ def load(path):
 def _one_train_step(config, devices):
   """(state before, state after, metrics) of one step of the training library's own step on `devices`."""
   mesh = parallel.make_mesh(dict(config.mesh), devices)
-  model_cfg = inputs.model_config(config)
-  loss_cfg = inputs.loss_config(config, model_cfg)
+  model_cfg = dg.build.model_config(config)
+  loss_cfg = dg.build.loss(config)
   model = dg.DiffusionGemma(model_cfg)
   optimizer = training.make_optimizer(config.train)
   shardings = training.state_shardings(model, optimizer, mesh, seed=config.train.seed)
@@ -117,8 +117,8 @@ def _one_train_step(config, devices):
   batch = {"tokens": rng.integers(0, model_cfg.vocab_size, (config.train.batch_size, length), np.int32),
            "prompt_length": np.full((config.train.batch_size,), config.data.prompt_length, np.int32)}
   step = training.make_train_step(model, optimizer, loss_cfg, num_canvases=config.data.num_canvases,
-                                  state_sharding=shardings, batch_sharding=inputs.batch_sharding(mesh))
-  state, metrics = step(state, inputs.to_global(batch, inputs.batch_sharding(mesh)))
+                                  state_sharding=shardings, batch_sharding=parallel.batch_sharding(mesh, ndim=1))
+  state, metrics = step(state, inputs.to_global(batch, parallel.batch_sharding(mesh, ndim=1)))
   experts = state.params["params"]["layer_0"]["experts"]["gating_einsum"]
   moment = state.opt_state[1][0].mu["params"]["layer_0"]["experts"]["gating_einsum"]
   assert experts.sharding == moment.sharding, (experts.sharding, moment.sharding)

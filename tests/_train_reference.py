@@ -31,7 +31,7 @@ def main(workdir, out, overrides):
     section, field = key.split(".")
     config[section][field] = type(config[section][field])(value)
   setup = loop._Setup(config, workdir)  # pylint: disable=protected-access
-  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg)
+  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
   shards = [iter(inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "train", shard_index=i,
                                      shard_count=2)) for i in range(2)]
   state = setup.init_fn()

@@ -1,6 +1,7 @@
 """The noise processes and the block-diffusion loss on a tiny random model."""
 
 import functools
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -10,6 +11,9 @@ import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import diffusion
+from diffusiongemma.config_base import load_config_file
+
+ROOT = pathlib.Path(__file__).parent.parent
 
 V = 50
 TINY = dg.ModelConfig(
@@ -27,7 +31,7 @@ def test_sample_time_range():
 
 @pytest.mark.parametrize("t", [0.05, 0.3, 0.9])
 def test_uniform_noise_corrupts_at_rate_t(t):
-  noise = diffusion.make_noise("uniform", V)
+  noise = diffusion.UniformNoise(V)
   tokens = jnp.zeros((200, 500), jnp.int32) + 7
   noisy, corrupted = noise.corrupt(jax.random.PRNGKey(1), tokens, jnp.float32(t))
   assert abs(float(corrupted.mean()) - t) < 0.01
@@ -41,8 +45,8 @@ def test_uniform_noise_corrupts_at_rate_t(t):
 
 
 def test_masked_noise_corrupts_to_mask_with_elbo_weights():
-  noise = diffusion.make_noise("masked", V)
-  assert noise.mask_token_id == V - 1 == diffusion.mask_token_id(V)
+  noise = diffusion.MaskedNoise(V)
+  assert noise.mask_token_id == V - 1 == noise.never_token == diffusion.MaskedNoise(V, -1).mask_token_id
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, V - 1, (300, 400)), jnp.int32)
   t = jax.random.uniform(jax.random.PRNGKey(2), (300, 1), minval=0.01, maxval=0.99)
   noisy, corrupted = noise.corrupt(jax.random.PRNGKey(3), tokens, t)
@@ -54,20 +58,55 @@ def test_masked_noise_corrupts_to_mask_with_elbo_weights():
   np.testing.assert_allclose(weights.mean(), 1.0, atol=0.02)
   logits = noise.prepare_logits(jnp.zeros((2, V)))
   assert float(logits[0, V - 1]) < -1e8 and float(logits[0, 0]) == 0.0
-  assert diffusion.make_noise("masked", V, 10).mask_token_id == 10
+  assert diffusion.MaskedNoise(V, 10).mask_token_id == 10
+
+
+def test_noise_processes_for_sampling():
+  keys = jax.random.split(jax.random.key(0), 3)
+  uniform, masked = diffusion.UniformNoise(V), diffusion.MaskedNoise(V)
+  start = uniform.initial_canvas(keys, 64)
+  assert start.shape == (3, 64) and len(np.unique(start)) > 30 and not uniform.initial_fixed(start).any()
+  np.testing.assert_array_equal(masked.initial_canvas(keys, 4), V - 1)
+  sampled = jnp.full((3, 4), 7, jnp.int32)
+  accepted = jnp.array([[1, 0, 0, 1]] * 3, bool)
+  canvas, fixed = uniform.renoise(keys, start[:, :4], sampled, accepted, jnp.zeros((3, 4), bool))
+  np.testing.assert_array_equal(canvas[:, [0, 3]], 7)  # accepted: the sample; the rest re-drawn
+  assert not fixed.any() and (np.asarray(canvas[:, 1:3]) != 7).any()
+  given = jnp.array([[0, 1, 0, 0]] * 3, bool)  # infilling: given positions never change
+  canvas, _ = uniform.renoise(keys, start[:, :4], sampled, accepted, given)
+  np.testing.assert_array_equal(canvas[:, 1], start[:, 1])
+  masks = masked.initial_canvas(keys, 4)
+  canvas, fixed = masked.renoise(keys, masks, sampled, accepted, masked.initial_fixed(masks))
+  np.testing.assert_array_equal(canvas, np.where(accepted, 7, V - 1))
+  np.testing.assert_array_equal(fixed, accepted)
 
 
 def test_bad_noise_configs():
-  with pytest.raises(ValueError, match="Unknown noise 'gaussian'"):
-    diffusion.make_noise("gaussian", V)
-  with pytest.raises(ValueError, match="Unknown noise 'absorbing'.*config.diffusion.noise"):
+  with pytest.raises(ValueError, match="Unknown config.diffusion.noise 'gaussian'"):
+    dg.build.noise(_config(noise="gaussian"))
+  with pytest.raises(ValueError, match="not a noise process"):
     diffusion.LossConfig(noise="absorbing")
   with pytest.raises(ValueError, match="outside the model vocabulary"):
-    diffusion.make_noise("masked", V, V)
+    diffusion.MaskedNoise(V, V)
   with pytest.raises(ValueError, match=r"Unknown config.diffusion fields \['nosie'\]"):
-    diffusion.LossConfig.from_dict({"nosie": "masked"})
+    dg.build.loss(_config(nosie="masked"))
   with pytest.raises(ValueError, match="self_conditioning_prob"):
-    diffusion.LossConfig(self_conditioning_prob=1.5)
+    diffusion.LossConfig(noise=diffusion.UniformNoise(V), self_conditioning_prob=1.5)
+
+
+def _config(**diffusion_fields):
+  config = load_config_file(ROOT / "configs" / "tiny.py")
+  with config.diffusion.unlocked():
+    config.diffusion.update(diffusion_fields)
+  return config
+
+
+def test_build_hands_one_noise_object_to_the_loss_and_the_sampler():
+  config = _config(noise="masked", mask_token_id=-1)
+  loss, sampler = dg.build.loss(config), dg.build.sampler(config)
+  assert loss.noise == sampler.noise == diffusion.MaskedNoise(config.model.vocab_size)
+  assert loss.noise.mask_token_id == config.model.vocab_size - 1
+  assert dg.build.sampler(_config(noise="uniform")).noise == diffusion.UniformNoise(config.model.vocab_size)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +135,8 @@ def _loss(params, batch, rng, config, canvas_index=None):
                                   num_canvases=CANVASES, canvas_index=canvas_index)
 
 
-@pytest.mark.parametrize("noise", ["uniform", pytest.param("masked", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("noise", [diffusion.UniformNoise(V),
+                                   pytest.param(diffusion.MaskedNoise(V), marks=pytest.mark.slow)])
 def test_all_canvases_equals_mean_of_one_canvas_losses(params, noise):
   """One block-causal pass over every canvas == each canvas alone, with the same noise draws, also
   when rows have different prompt lengths (canvases at different offsets)."""
@@ -126,7 +166,7 @@ class _DetachedCache(dg.DiffusionGemma):
 def test_loss_is_finite_and_gradients_reach_the_encoder(params):
   """With no AR term, the diffusion loss still trains the weights through the encoder's clean KV
   cache (gradients differ from those of a cut cache), and self-conditioning gets gradient."""
-  config = diffusion.LossConfig(noise="masked", ar_loss_weight=0.0, self_conditioning_prob=1.0)
+  config = diffusion.LossConfig(noise=diffusion.MaskedNoise(V), ar_loss_weight=0.0, self_conditioning_prob=1.0)
 
   def grad(model, p):
     fn = lambda q: diffusion.diffusion_loss(model, q, _batch(), jax.random.PRNGKey(5), config,

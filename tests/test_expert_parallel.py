@@ -6,6 +6,7 @@ flag must be set before jax is imported), so the module imports nothing heavy at
 """
 
 import contextlib
+import functools
 import os
 import pathlib
 import re
@@ -56,9 +57,10 @@ def test_local_grouped_worst_case_routing_equals_dense():
                   rng.integers(-6, 9, (rows, top_k)),  # mostly other devices' (out of [0, 3))
                   np.full((rows, top_k), 5)):  # none local
     experts = jnp.asarray(experts, jnp.int32)
-    want = moe._local_dense(x, weights, experts, gating, linear, rows // 4)  # pylint: disable=protected-access
-    for local in (moe._local_grouped, moe._local_ragged):  # pylint: disable=protected-access
-      got = jax.jit(local, static_argnums=5)(x, weights, experts, gating, linear, rows // 4)
+    want = moe._local_dense(x, weights, experts, gating, linear)  # pylint: disable=protected-access
+    grouped = functools.partial(moe._local_grouped, tokens=rows // 4)  # pylint: disable=protected-access
+    for local in (grouped, moe._local_ragged):  # pylint: disable=protected-access
+      got = jax.jit(local)(x, weights, experts, gating, linear)
       np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -225,6 +227,8 @@ def _unbox(tree):
 
 if __name__ == "__main__":
   if "--measure" in sys.argv:
+    # 8 simulated CPU devices unless the caller chose otherwise (before jax is first imported, in _measure).
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     _measure(*[int(a) if a.isdigit() else a for a in sys.argv[sys.argv.index("--measure") + 1:] if a != "-v"])
   else:
     _main()

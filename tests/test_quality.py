@@ -1,5 +1,6 @@
 """Generative quality: the metrics on hand-built inputs, the AR-baseline objective, and the binaries
-(evaluate.py --generative, sweep.py) end to end on tiny workdirs trained for a few steps."""
+(evaluate.py --generative, sweep.py, benchmark.py, sample.py) end to end on tiny workdirs trained for a few
+steps with masked noise: each binary must sample with the noise the model was trained with."""
 
 import functools
 import json
@@ -15,8 +16,7 @@ import pytest
 import diffusiongemma as dg
 from diffusiongemma import diffusion
 from diffusiongemma.config_base import load_config_file
-from diffusiongemma.sampling import quality
-from diffusiongemma.sampling import runner
+from diffusiongemma.evaluation import generative as quality
 from test_training import _script_args, corpus, VOCAB  # noqa: F401  (corpus is a fixture)
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -27,7 +27,7 @@ TINY = dg.ModelConfig.from_dict({**load_config_file(ROOT / "configs" / "tiny.py"
 @pytest.fixture(scope="module")
 def judge():
   model = dg.DiffusionGemma(TINY)
-  return quality.Judge("self", model, runner.random_params(model, seed=3))
+  return quality.Judge("self", model, dg.build.random_variables(TINY, seed=3))
 
 
 def test_unigram_entropy_of_constant_uniform_and_empty_sequences():
@@ -76,15 +76,16 @@ def test_zero_diffusion_weight_trains_the_encoder_alone(judge):
     return diffusion.diffusion_loss(judge.model, variables, batch, jax.random.PRNGKey(0), config,
                                     num_canvases=2)
 
-  both = loss(diffusion.LossConfig(self_conditioning_prob=0.0), judge.variables)[1]
-  total, ar_only = loss(diffusion.LossConfig(diffusion_loss_weight=0.0), judge.variables)
+  noise = diffusion.UniformNoise(TINY.vocab_size)
+  both = loss(diffusion.LossConfig(noise=noise, self_conditioning_prob=0.0), judge.variables)[1]
+  total, ar_only = loss(diffusion.LossConfig(noise=noise, diffusion_loss_weight=0.0), judge.variables)
   np.testing.assert_allclose(total, both["ar_loss"], rtol=1e-6)
   assert float(ar_only["diffusion_loss"]) == 0.0
   np.testing.assert_allclose(both["loss"], both["diffusion_loss"] + both["ar_loss"], rtol=1e-6)
   with pytest.raises(ValueError, match="diffusion_loss_weight must be >= 0, got -1"):
-    diffusion.LossConfig(diffusion_loss_weight=-1.0)
+    diffusion.LossConfig(noise=noise, diffusion_loss_weight=-1.0)
   with pytest.raises(ValueError, match="both 0"):
-    diffusion.LossConfig(diffusion_loss_weight=0.0, ar_loss_weight=0.0)
+    diffusion.LossConfig(noise=noise, diffusion_loss_weight=0.0, ar_loss_weight=0.0)
   ar = load_config_file(ROOT / "configs" / "small_ar.py", "tiny")
   assert ar.diffusion.diffusion_loss_weight == 0.0 and ar.model == load_config_file(ROOT / "configs" /
                                                                                        "tiny.py").model
@@ -96,12 +97,22 @@ def _run(args, timeout=600):
   return result
 
 
+# Masked noise needs its mask token outside the tokenizer: one more model vocabulary entry, for the
+# baseline judge too (a judge shares the model's vocabulary).
+MASKED = ("--config.diffusion.noise=masked", f"--config.model.vocab_size={VOCAB + 1}")
+
+
+def _masked_args(corpus, workdir, num_steps, *extra):  # noqa: F811
+  return _script_args(corpus, workdir, num_steps, *MASKED, *extra)
+
+
 @pytest.fixture(scope="module")
 def workdirs(corpus, tmp_path_factory):  # noqa: F811
-  """A tiny diffusion model and its AR baseline (configs/small_ar.py:tiny), 4 steps each, same tokenizer."""
+  """A tiny masked-noise diffusion model and its AR baseline (configs/small_ar.py:tiny), 4 steps each,
+  same tokenizer."""
   root = tmp_path_factory.mktemp("quality")
-  _run(_script_args(corpus, root / "diffusion", 4))
-  baseline = _script_args(corpus, root / "ar", 4)
+  _run(_masked_args(corpus, root / "diffusion", 4))
+  baseline = _masked_args(corpus, root / "ar", 4)
   baseline[2] = f"--config={ROOT / 'configs' / 'small_ar.py'}:tiny"
   _run(baseline)
   return root / "diffusion", root / "ar"
@@ -112,18 +123,27 @@ def _with_script(args, script, *extra):
   return [args[0], str(ROOT / "scripts" / script), *args[2:], *extra]
 
 
+def _check_masked_settings(settings, **expected):
+  """The recorded settings are those of the masked model's sampler (every field, the noise included)."""
+  assert settings["noise"] == "masked" and settings["never_token"] == VOCAB
+  assert settings["acceptance_rule"].startswith("EntropyBound(") and "ArgmaxStable" in settings["stopping_rule"]
+  for key, value in expected.items():
+    assert settings[key] == value, (key, settings[key], value)
+
+
 @pytest.mark.slow
 def test_evaluate_generative_end_to_end(corpus, workdirs):  # noqa: F811
   diffusion_dir, ar_dir = workdirs
-  args = _with_script(_script_args(corpus, diffusion_dir, 4), "evaluate.py", "--generative",
+  args = _with_script(_masked_args(corpus, diffusion_dir, 4), "evaluate.py", "--generative",
                       "--num_samples=3", "--batch_size=2", "--max_new_tokens=8",
                       f"--baseline_workdir={ar_dir}", "--config.sampler.max_denoising_steps=6")
   _run(args)
   results = json.loads((diffusion_dir / "generative.json").read_text())
   assert results["num_samples"] == 3 and results["max_denoising_steps"] == 6
   assert "step 4" in results["weights"]
+  _check_masked_settings(results["sampler"], max_denoising_steps=6)
   for key in ("perplexity_self", "perplexity_baseline", "reference_perplexity_self",
-              "reference_perplexity_baseline", "tokens_per_forward", "unigram_entropy"):
+              "reference_perplexity_baseline", "pooled_tokens_per_forward", "unigram_entropy"):
     assert math.isfinite(results[key]) and results[key] > 0, (key, results[key])
   # Four steps of training: every judge is still close to uniform over the vocabulary.
   for key in ("perplexity_self", "perplexity_baseline"):
@@ -135,7 +155,7 @@ def test_evaluate_generative_end_to_end(corpus, workdirs):  # noqa: F811
 def test_sweep_writes_json_and_png_with_the_defaults_marked(corpus, workdirs, tmp_path):  # noqa: F811
   diffusion_dir, ar_dir = workdirs
   output = tmp_path / "sweep.json"
-  args = _with_script(_script_args(corpus, diffusion_dir, 4), "sweep.py", "--entropy_bounds=1.0",
+  args = _with_script(_masked_args(corpus, diffusion_dir, 4), "sweep.py", "--entropy_bounds=1.0",
                       "--max_steps=48", "--num_samples=2", "--batch_size=2", "--max_new_tokens=8",
                       f"--baseline_workdir={ar_dir}", f"--output={output}")
   result = _run(args)
@@ -145,8 +165,58 @@ def test_sweep_writes_json_and_png_with_the_defaults_marked(corpus, workdirs, tm
   assert sweep["judge"] == "baseline"
   assert sweep["defaults"] == {"entropy_bound": 0.1, "max_denoising_steps": 48}
   for s in sweep["settings"]:
-    for key in ("tokens_per_forward", "perplexity_baseline", "perplexity_self", "unigram_entropy"):
+    _check_masked_settings(s["sampler"], entropy_bound=s["entropy_bound"], max_denoising_steps=48)
+    for key in ("pooled_tokens_per_forward", "perplexity_baseline", "perplexity_self", "unigram_entropy"):
       assert math.isfinite(s[key]) and s[key] > 0, (key, s)
     assert s["steps_per_canvas"] <= s["max_denoising_steps"]
   assert pathlib.Path(sweep["plot"]).read_bytes()[:4] == b"\x89PNG"
   assert "| entropy bound | max steps |" in result.stdout
+
+
+@pytest.mark.slow
+def test_benchmark_samples_with_the_trained_noise_and_reports_the_samplers_statistics(corpus, workdirs):  # noqa: F811
+  """benchmark.py on the masked workdir: the recorded settings are the masked model's, and its statistics
+  are the sampler's own: the same sampler built here, on the recorded prompts, gives the same per-row
+  tokens per forward, and the summaries follow from them."""
+  diffusion_dir, _ = workdirs
+  output = diffusion_dir / "bench" / "benchmark.json"
+  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "benchmark.py", "--quick",
+                             "--max_new_tokens=16", "--prompt_length=8", f"--output={output}",
+                             "--config.sampler.max_denoising_steps=6"), timeout=900)
+  results = json.loads(output.read_text())
+  _check_masked_settings(results["sampler"], max_denoising_steps=6, max_new_tokens=16)
+  assert "step 4" in results["params"] and "noise masked" in result.stdout
+  config = load_config_file(ROOT / "configs" / "tiny.py")
+  for key, value in [f.split("=", 1) for f in _masked_args(corpus, diffusion_dir, 4)[4:]]:
+    section, field = key[len("--config."):].split(".")
+    config[section][field] = type(config[section][field])(value)
+  config.sampler.max_denoising_steps = 6
+  weights = dg.build.load(config, workdir=diffusion_dir)
+  sampler = dg.build.sampler(config, weights.model_config)
+  assert sampler.noise == diffusion.MaskedNoise(VOCAB + 1)
+  out = sampler.generate(weights.variables, np.asarray(results["prompts"]), jax.random.key(1), 16)
+  row = results["decoding"][0]
+  np.testing.assert_allclose(row["row_tokens_per_forward"], np.asarray(out.tokens_per_forward), rtol=1e-6)
+  summary = dg.sampling.stats.summary(out.tokens, out.canvas_passes, weights.model_config.pad_id)
+  for key in ("pooled_tokens_per_forward", "mean_tokens_per_forward", "steps_per_canvas", "denoiser_passes"):
+    np.testing.assert_allclose(row[key], summary[key], rtol=1e-6)
+  assert row["diffusion_new_tokens"] == summary["new_tokens"]
+  assert [r["batch_size"] for r in results["decoding"]] == [1, 4]
+  for r in results["decoding"]:
+    for key in ("diffusion_tokens_per_second", "ar_tokens_per_second", "speedup", "diffusion_latency_seconds"):
+      assert math.isfinite(r[key]) and r[key] > 0, (key, r[key])
+    assert 0 < r["steps_per_canvas"] <= 6
+  for key in ("denoiser_mfu", "ar_step_bandwidth_fraction", "denoiser_flops"):
+    assert math.isfinite(results["efficiency"][key]) and results["efficiency"][key] > 0, key
+  assert [r["config"] for r in results["training"]] == ["tiny"]
+  for plot in results["plots"]:
+    assert pathlib.Path(plot).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_sample_script_samples_with_the_trained_noise(corpus, workdirs):  # noqa: F811
+  diffusion_dir, _ = workdirs
+  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "sample.py", "--prompt=def f(",
+                             "--max_new_tokens=8", "--config.sampler.max_denoising_steps=4"))
+  assert "noise masked" in result.stdout and f"never_token {VOCAB}" in result.stdout
+  assert "step 4" in result.stdout

@@ -4,7 +4,9 @@ Every generation test shares one compiled program (batch 3, prompt bucket 8, two
 file stays fast on two cores; the other rules and noises run end to end under the `slow` marker.
 """
 
+import dataclasses
 import pathlib
+import types
 
 import flax.linen as nn
 import jax
@@ -13,8 +15,10 @@ import numpy as np
 import pytest
 
 import diffusiongemma as dg
+from diffusiongemma import diffusion
 from diffusiongemma.config_base import load_config_file
-from diffusiongemma.sampling import autoregressive, rules, steps
+from diffusiongemma.diffusion import acceptance, stopping
+from diffusiongemma.sampling import autoregressive, sampler as sampler_lib, stats, steps
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dg.ModelConfig(
@@ -57,6 +61,25 @@ def sampler(model):
   return dg.Sampler(model, CONFIG)
 
 
+@pytest.fixture(scope="module")
+def ar_sampler(model):
+  return dg.ARSampler(model, stop_tokens=STOP, prompt_bucket=8)
+
+
+def compiled_programs() -> int:
+  """Programs compiled so far for every diffusion sampler (jit's cache of the generation program)."""
+  return sampler_lib._program._cache_size()  # pylint: disable=protected-access
+
+
+def _stats(entropy=None, confidence=None):
+  """TokenStats with the given [B, C] entropy / confidence (the other fields unused by the rules)."""
+  like = entropy if entropy is not None else confidence
+  zeros = jnp.zeros(jnp.shape(like), jnp.int32)
+  return acceptance.TokenStats(entropy=jnp.asarray(entropy if entropy is not None else jnp.zeros_like(like)),
+                               confidence=jnp.asarray(confidence if confidence is not None else
+                                                      jnp.zeros_like(like)), argmax=zeros, sample=zeros)
+
+
 def _prompts(seed, lengths=(5, 5, 5)):
   rng = np.random.default_rng(seed)
   return rng.integers(3, TINY.vocab_size, (len(lengths), max(lengths)))
@@ -71,7 +94,7 @@ def test_config_defaults_are_the_released_ones():
   cfg = dg.SamplerConfig()
   assert (cfg.max_denoising_steps, cfg.t_max, cfg.t_min, cfg.entropy_bound, cfg.stability_threshold,
           cfg.confidence_threshold) == (48, 0.8, 0.4, 0.1, 1, 0.005)
-  assert (cfg.acceptance, cfg.stopping, cfg.noise) == ("entropy", "stable", "uniform")
+  assert (cfg.acceptance, cfg.stopping) == ("entropy", "stable")
   assert hash(cfg) == hash(dg.SamplerConfig()) and cfg == dg.SamplerConfig()
   assert hash(dg.SamplerConfig(stop_tokens=[1, 106])) == hash(dg.SamplerConfig(stop_tokens=(1, 106)))
   from_file = dg.SamplerConfig.from_dict(load_config_file(ROOT / "configs" / "tiny.py").sampler)
@@ -89,7 +112,6 @@ def test_config_defaults_are_the_released_ones():
     (dict(confidence_threshold=0), "confidence_threshold=0"),
     (dict(acceptance="greedy"), "one of ('entropy', 'confidence', 'count')"),
     (dict(stopping="never"), "one of ('stable', 'fixed')"),
-    (dict(noise="gaussian"), "one of ('uniform', 'masked')"),
     (dict(tokens_per_step=0), "tokens_per_step=0"),
     (dict(confidence_accept=1.5), "confidence_accept=1.5"),
     (dict(stop_tokens=(-1,)), "stop_tokens"),
@@ -104,7 +126,8 @@ def test_unknown_sampler_field_is_named():
     dg.SamplerConfig.from_dict({"entropy_bund": 0.1})
 
 
-def test_bad_input_is_rejected_clearly(model, params, sampler):
+def test_bad_input_is_rejected_clearly(model, params, sampler, ar_sampler):
+  compiled = compiled_programs()
   key = jax.random.key(0)
   prompt = _prompts(0)
   cases = [
@@ -125,102 +148,145 @@ def test_bad_input_is_rejected_clearly(model, params, sampler):
     dg.Sampler(model, CONFIG.replace(canvas_length=16))
   with pytest.raises(ValueError, match="outside the vocabulary"):
     dg.Sampler(model, CONFIG.replace(stop_tokens=(61,)))
+  with pytest.raises(ValueError, match="masked noise draws from 60 tokens"):
+    dg.Sampler(model, CONFIG, noise=diffusion.MaskedNoise(60))
+  with pytest.raises(ValueError, match="mask_token_id=61 is outside"):
+    diffusion.MaskedNoise(61, 61)
+  with pytest.raises(ValueError, match="Unknown SamplerConfig.acceptance 'greedy'"):
+    dg.build.acceptance_rule(types.SimpleNamespace(acceptance="greedy"))  # the table's own check
+  with pytest.raises(ValueError, match="cache must be a KVCache of 3 rows"):
+    sampler.generate(params, prompt, key, NEW, cache=dg.KVCache.empty(TINY, 2, 16))
   with pytest.raises(ValueError, match="temperature"):
-    sampler.autoregressive(params, prompt, key, 4, temperature=-1.0)
+    ar_sampler.generate(params, prompt, key, 4, temperature=-1.0)
   with pytest.raises(ValueError, match="top_p"):
-    sampler.autoregressive(params, prompt, key, 4, top_p=0.0)
+    ar_sampler.generate(params, prompt, key, 4, top_p=0.0)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    sampler.autoregressive(params, prompt, key, 0)
-  assert sampler.trace_count == 0  # all of it is refused before anything is compiled
+    ar_sampler.generate(params, prompt, key, 0)
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    dg.ARSampler(model, stop_tokens=(99,))
+  assert compiled_programs() == compiled  # all of it is refused before anything is compiled
 
 
 # ------------------------------------------------------------------------------------------ rules
+def _rules(**changes):
+  return dg.Sampler(dg.DiffusionGemma(TINY), CONFIG.replace(**changes)).rules
+
+
+def test_build_tables_map_config_strings_to_rule_objects():
+  rules = _rules()
+  assert rules.acceptance == acceptance.EntropyBound(0.1)
+  assert rules.stopping == stopping.AllOf((stopping.ArgmaxStable(1), stopping.MeanEntropyBelow(0.005)))
+  assert rules.noise == diffusion.UniformNoise(TINY.vocab_size)
+  assert _rules(acceptance="confidence", confidence_accept=0.7).acceptance == acceptance.Confidence(0.7)
+  assert _rules(acceptance="count", tokens_per_step=3).acceptance == acceptance.TopCount(3)
+  assert _rules(stopping="fixed").stopping == stopping.NoEarlyStop()
+  assert set(dg.build.ACCEPTANCE_RULES) == set(dg.sampling.config.ACCEPTANCE_NAMES)
+  assert set(dg.build.STOPPING_RULES) == set(dg.sampling.config.STOPPING_NAMES)
+
+
 def test_temperature_schedule_is_linear_in_the_remaining_steps():
-  cfg = dg.SamplerConfig(max_denoising_steps=4, t_max=0.8, t_min=0.4)
-  np.testing.assert_allclose(rules.temperature(cfg, jnp.arange(4, 0, -1)), [0.8, 0.7, 0.6, 0.5], rtol=1e-6)
+  rules = _rules(max_denoising_steps=4, t_max=0.8, t_min=0.4)
+  np.testing.assert_allclose(steps.temperature(rules, jnp.arange(4, 0, -1)), [0.8, 0.7, 0.6, 0.5], rtol=1e-6)
 
 
 def test_entropy_bound_on_hand_written_entropies():
   ent = jnp.array([[0.30, 0.01, 0.05, 0.02, 0.50, 0.04]])
   all_ = jnp.ones_like(ent, bool)
   # Ascending 0.01, 0.02, 0.04, 0.05, 0.30: sums before each 0, .01, .03, .07, .12 -> four fit 0.1.
-  np.testing.assert_array_equal(rules.accept_by_entropy(ent, all_, 0.1), [[0, 1, 1, 1, 0, 1]])
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.1)(_stats(ent), all_), [[0, 1, 1, 1, 0, 1]])
   for bound in (1e-9, 0.02, 0.1, 0.5, 10.0):
-    acc = np.asarray(rules.accept_by_entropy(ent, all_, bound))[0]
+    acc = np.asarray(acceptance.EntropyBound(bound)(_stats(ent), all_))[0]
     chosen = np.sort(np.asarray(ent)[0][acc])
     assert acc.sum() >= 1 and chosen.sum() - chosen.max() <= bound + 1e-7
     rest = np.asarray(ent)[0][~acc]
     assert rest.size == 0 or rest.min() >= chosen.max()  # the lowest entropies are the ones taken
   # A large first entropy is still accepted alone: at least one token per step.
-  np.testing.assert_array_equal(rules.accept_by_entropy(jnp.array([[5.0, 7.0]]), jnp.ones((1, 2), bool),
-                                                        0.1), [[1, 0]])
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.1)(_stats(jnp.array([[5.0, 7.0]])),
+                                                             jnp.ones((1, 2), bool)), [[1, 0]])
 
 
 def test_entropy_bound_ties_and_eligibility():
   ent = jnp.array([[0.2, 0.2, 0.2, 0.2]])
   all_ = jnp.ones_like(ent, bool)
   # Ties: 0 + .2 > .1 after the first, so exactly one is taken, the lowest index.
-  np.testing.assert_array_equal(rules.accept_by_entropy(ent, all_, 0.1), [[1, 0, 0, 0]])
-  np.testing.assert_array_equal(rules.accept_by_entropy(ent, all_, 0.45), [[1, 1, 1, 0]])
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.1)(_stats(ent), all_), [[1, 0, 0, 0]])
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.45)(_stats(ent), all_), [[1, 1, 1, 0]])
   eligible = jnp.array([[False, True, False, True]])
-  np.testing.assert_array_equal(rules.accept_by_entropy(jnp.zeros((1, 4)), eligible, 0.1), eligible)
-  np.testing.assert_array_equal(rules.accept_by_entropy(jnp.zeros((1, 4)), jnp.zeros((1, 4), bool), 0.1),
-                                [[0, 0, 0, 0]])
+  zeros = _stats(jnp.zeros((1, 4)))
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.1)(zeros, eligible), eligible)
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.1)(zeros, jnp.zeros((1, 4), bool)), [[0, 0, 0, 0]])
 
 
 def test_confidence_and_count_rules():
-  conf = jnp.array([[0.95, 0.50, 0.91, 0.99], [0.3, 0.6, 0.6, 0.2]])
-  all_ = jnp.ones_like(conf, bool)
-  np.testing.assert_array_equal(rules.accept_by_confidence(conf, all_, 0.9), [[1, 0, 1, 1], [0, 1, 0, 0]])
+  conf = _stats(confidence=jnp.array([[0.95, 0.50, 0.91, 0.99], [0.3, 0.6, 0.6, 0.2]]))
+  all_ = jnp.ones((2, 4), bool)
+  np.testing.assert_array_equal(acceptance.Confidence(0.9)(conf, all_), [[1, 0, 1, 1], [0, 1, 0, 0]])
   no_last = all_.at[0, 3].set(False).at[1, 1].set(False)
-  np.testing.assert_array_equal(rules.accept_by_confidence(conf, no_last, 0.97), [[1, 0, 0, 0], [0, 0, 1, 0]])
-  np.testing.assert_array_equal(rules.accept_by_count(conf, all_, 2), [[1, 0, 0, 1], [0, 1, 1, 0]])
-  np.testing.assert_array_equal(rules.accept_by_count(conf, no_last, 3), [[1, 1, 1, 0], [1, 0, 1, 1]])
+  np.testing.assert_array_equal(acceptance.Confidence(0.97)(conf, no_last), [[1, 0, 0, 0], [0, 0, 1, 0]])
+  np.testing.assert_array_equal(acceptance.TopCount(2)(conf, all_), [[1, 0, 0, 1], [0, 1, 1, 0]])
+  np.testing.assert_array_equal(acceptance.TopCount(3)(conf, no_last), [[1, 1, 1, 0], [1, 0, 1, 1]])
 
 
-def test_acceptance_from_logits():
+def test_token_stats_and_acceptance_from_logits():
   # Row of a near one-hot position, a uniform position and a two-way tie.
   logits = jnp.array([[[20.0, 0, 0, 0], [0, 0, 0, 0], [5.0, 5.0, -20, -20]]])
-  ent = rules.entropy(logits)
-  np.testing.assert_allclose(ent[0], [0.0, np.log(4), np.log(2)], atol=1e-5)
+  token_stats = steps.token_stats(logits, jax.random.split(jax.random.key(0), 1))
+  np.testing.assert_allclose(token_stats.entropy[0], [0.0, np.log(4), np.log(2)], atol=1e-5)
+  np.testing.assert_allclose(token_stats.confidence[0], [1.0, 0.25, 0.5], atol=1e-5)
+  np.testing.assert_array_equal(token_stats.argmax[0], [0, 0, 0])
+  assert token_stats.sample[0, 0] == 0 and token_stats.sample[0, 2] in (0, 1)
   all_ = jnp.ones((1, 3), bool)
   # Ascending 0, log 2, log 4: the sums before each are 0, 0, log 2.
-  np.testing.assert_array_equal(rules.accept(CONFIG, logits, ent, all_), [[1, 0, 1]])
-  wide = CONFIG.replace(entropy_bound=0.7)
-  np.testing.assert_array_equal(rules.accept(wide, logits, ent, all_), [[1, 1, 1]])
-  cfg = CONFIG.replace(acceptance="count", tokens_per_step=2)
-  np.testing.assert_array_equal(rules.accept(cfg, logits, ent, all_), [[1, 0, 1]])
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.1)(token_stats, all_), [[1, 0, 1]])
+  np.testing.assert_array_equal(acceptance.EntropyBound(0.7)(token_stats, all_), [[1, 1, 1]])
+  np.testing.assert_array_equal(acceptance.TopCount(2)(token_stats, all_), [[1, 0, 1]])
+
+
+def _step_stats(argmax, entropy):
+  return acceptance.TokenStats(entropy=entropy, confidence=jnp.zeros_like(entropy), argmax=argmax,
+                               sample=argmax)
 
 
 def test_stopping_rules():
-  hist = jnp.full((1, 2, 3), -1, jnp.int32)
+  rule = _rules().stopping  # stable for 1 step and mean entropy below 0.005
+  state = rule.init(2, 3)
   argmax = jnp.array([[1, 2, 3], [4, 5, 6]])
   confident = jnp.zeros((2, 3))
-  stop, hist = rules.should_stop(CONFIG, hist, argmax, confident)
+  stop, state = rule(state, _step_stats(argmax, confident))
   assert not stop.any()  # never on the first step
-  stop, hist = rules.should_stop(CONFIG, hist, argmax.at[1, 0].set(0), confident.at[0].set(0.1))
+  stop, state = rule(state, _step_stats(argmax.at[1, 0].set(0), confident.at[0].set(0.1)))
   np.testing.assert_array_equal(stop, [False, False])  # row 0 unconfident, row 1 changed
-  stop, _ = rules.should_stop(CONFIG, hist, argmax.at[1, 0].set(0), confident)
+  stop, _ = rule(state, _step_stats(argmax.at[1, 0].set(0), confident))
   np.testing.assert_array_equal(stop, [True, True])
-  cfg2 = CONFIG.replace(stability_threshold=2)
-  h = jnp.full((2, 2, 3), -1, jnp.int32)
+  two = _rules(stability_threshold=2).stopping
+  state = two.init(2, 3)
   for expected in ([False] * 2, [False] * 2, [True] * 2):
-    stop, h = rules.should_stop(cfg2, h, argmax, confident)
+    stop, state = two(state, _step_stats(argmax, confident))
     np.testing.assert_array_equal(stop, expected)
-  stop, _ = rules.should_stop(CONFIG.replace(stopping="fixed"), h, argmax, confident)
-  assert not stop.any()
+  never = stopping.NoEarlyStop()
+  assert not never(never.init(2, 3), _step_stats(argmax, confident))[0].any()
+  # stability 0: confidence alone decides; AnyOf stops when either rule does.
+  zero = stopping.stable_and_confident(0, 0.005)
+  np.testing.assert_array_equal(zero(zero.init(2, 3), _step_stats(argmax, confident.at[0].set(1.0)))[0],
+                                [False, True])
+  either = stopping.AnyOf((stopping.ArgmaxStable(1), stopping.MeanEntropyBelow(0.005)))
+  np.testing.assert_array_equal(either(either.init(2, 3), _step_stats(argmax, confident.at[0].set(1.0)))[0],
+                                [False, True])
+  with pytest.raises(ValueError, match="at least one rule"):
+    stopping.AllOf(())
 
 
 # ------------------------------------------------------------------------------------------ generation
 def test_one_program_no_retrace_and_outputs(params, sampler):
   out = sampler.generate(params, _prompts(0), _keys(1, 2, 3), max_new_tokens=NEW)
+  compiled = compiled_programs()
   again = sampler.generate(params, _prompts(1, (3, 6, 8)), jax.random.key(7), max_new_tokens=NEW - 3,
                            prompt_lengths=[3, 6, 8])
   jax.block_until_ready(again)
-  assert sampler.trace_count == 1  # new prompts, lengths, keys and max_new_tokens in the same bucket
   twin = dg.Sampler(dg.DiffusionGemma(TINY), dg.SamplerConfig(**vars(CONFIG)))  # equal, not the same
   np.testing.assert_array_equal(twin.generate(params, _prompts(0), _keys(1, 2, 3), NEW).tokens, out.tokens)
-  assert twin.trace_count == sampler.trace_count == 1
+  # New prompts, lengths, keys and max_new_tokens in the same bucket, and an equal sampler: no new program.
+  assert compiled_programs() == compiled
   assert out.tokens.shape == (B, NEW) and out.tokens.dtype == jnp.int32
   passes = np.asarray(out.canvas_passes)
   assert ((passes >= 0) & (passes <= CONFIG.max_denoising_steps)).all()
@@ -259,7 +325,6 @@ def test_batch_independence(params, sampler):
   np.testing.assert_array_equal(a.tokens[0], b.tokens[0])
   np.testing.assert_array_equal(a.num_denoiser_passes[0], b.num_denoiser_passes[0])
   np.testing.assert_array_equal(a.tokens, np.asarray(perm.tokens)[[1, 2, 0]])
-  assert sampler.trace_count == 1
 
 
 def test_prompts_of_different_lengths_in_one_batch(params, sampler):
@@ -273,7 +338,6 @@ def test_prompts_of_different_lengths_in_one_batch(params, sampler):
     alone = sampler.generate(params, np.repeat(prompts[i:i + 1, :n], B, 0), jnp.stack([keys[i]] * B),
                              max_new_tokens=NEW)
     np.testing.assert_array_equal(mixed.tokens[i], alone.tokens[0])
-  assert sampler.trace_count == 1
 
 
 def test_while_loop_equals_python_loop(model, params, sampler):
@@ -291,10 +355,10 @@ def test_while_loop_equals_python_loop(model, params, sampler):
   _, cache = encode(prompt, cache)
   denoiser = lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
   start, step_keys = sampler.start_canvas(keys, 0)
-  state = steps.init_state(CONFIG, start, jnp.zeros((B,), bool), TINY.vocab_size)
-  step = jax.jit(lambda s: steps.denoise_step(CONFIG, denoiser, s, step_keys))
+  state = steps.init_state(sampler.rules, start, jnp.zeros((B,), bool), TINY.vocab_size)
+  step = jax.jit(lambda s: steps.denoise_step(sampler.rules, denoiser, s, step_keys))
   i = 0
-  while bool(steps.should_continue(CONFIG, state)):
+  while bool(steps.should_continue(sampler.rules, state)):
     state = step(state)
     np.testing.assert_array_equal(state.argmax, out.trace.argmax[0, i])
     np.testing.assert_array_equal(state.canvas, out.trace.canvas[0, i])
@@ -329,9 +393,9 @@ def test_sample_token():
   assert len(np.unique(draw(keys, logits, jnp.float32(1.0), jnp.float32(1.0)))) >= 3
 
 
-def test_autoregressive_greedy_is_the_encoders_argmax(model, params, sampler):
+def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler):
   prompts = _prompts(9)
-  out = sampler.autoregressive(params, prompts, jax.random.key(0), max_new_tokens=6)
+  out = ar_sampler.generate(params, prompts, jax.random.key(0), max_new_tokens=6)
   tokens = np.asarray(out.tokens)
   # Teacher forcing on prompt + output: causal, so the pad after a stop token changes nothing before it.
   logits, _ = jax.jit(lambda s: model.apply({"params": params}, s, method=model.encode))(
@@ -342,20 +406,20 @@ def test_autoregressive_greedy_is_the_encoders_argmax(model, params, sampler):
     n = stops[0] + 1 if stops.size else 6
     assert (t[n:] == TINY.pad_id).all() and out.num_forward_passes[row] == n
     np.testing.assert_array_equal(greedy[row, :n], t[:n])
-  sampled = sampler.autoregressive(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.9)
+  sampled = ar_sampler.generate(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.9)
   assert sampled.tokens.shape == (B, 6)
 
 
 # ------------------------------------------------------------------------------------------ slow
 @pytest.mark.slow
-@pytest.mark.parametrize("changes", [
-    dict(acceptance="confidence", confidence_accept=0.5),
-    dict(acceptance="count", tokens_per_step=3, stopping="fixed"),
-    dict(noise="masked"),
+@pytest.mark.parametrize("changes,masked", [
+    (dict(acceptance="confidence", confidence_accept=0.5), False),
+    (dict(acceptance="count", tokens_per_step=3, stopping="fixed"), False),
+    ({}, True),
 ])
-def test_other_rules_end_to_end(model, params, changes):
+def test_other_rules_end_to_end(model, params, changes, masked):
   cfg = CONFIG.replace(**changes)
-  s = dg.Sampler(model, cfg)
+  s = dg.Sampler(model, cfg, noise=diffusion.MaskedNoise(TINY.vocab_size) if masked else None)
   out = s.generate(params, _prompts(10), _keys(1, 2, 3), max_new_tokens=8, return_trace=True)
   accepted = np.asarray(out.trace.accepted)[0].sum(-1)  # [N, B]
   passes = np.asarray(out.canvas_passes)[:, 0]
@@ -365,7 +429,7 @@ def test_other_rules_end_to_end(model, params, changes):
     assert (passes == cfg.max_denoising_steps).all()
   if cfg.acceptance == "count":
     assert (accepted[:, 0] == 3).all()
-  if cfg.noise == "masked":
+  if masked:
     mask = TINY.vocab_size - 1
     assert not (np.asarray(out.tokens) == mask).any()
     # Accepted tokens stay: the number of unmasked positions never drops.
@@ -373,19 +437,58 @@ def test_other_rules_end_to_end(model, params, changes):
     assert (np.diff(unmasked[: passes.min()], axis=0) >= 1).all()
 
 
-def test_runner_reports_steps_and_stats(params, sampler, tmp_path):
-  from diffusiongemma.sampling import runner  # pylint: disable=g-import-not-at-top
+def test_statistics_and_step_display(params, sampler):
   out = sampler.generate(params, _prompts(7), _keys(30, 31, 32), max_new_tokens=NEW, return_trace=True)
-  lines = runner.format_steps(out, lambda ids: " ".join(map(str, ids)), row=1)
+  lines = stats.format_steps(out, lambda ids: " ".join(map(str, ids)), row=1)
   assert len(lines) == int(out.num_denoiser_passes[1]) and lines[0].startswith("canvas 0 step  1 accepted")
-  per_step = runner.accepted_per_step(out)
+  per_step = stats.accepted_per_step(out)
   assert per_step.shape == (2, CONFIG.max_denoising_steps) and np.nanmin(per_step) >= 1
-  stats = runner.stats(out, 1.0, STOP, TINY.pad_id)
-  assert stats["denoiser_passes"] == int(out.num_denoiser_passes.sum()) and stats["tokens_per_forward"] > 0
-  assert runner.restore_workdir_params(tmp_path) is None
-  tokens, lengths = runner.pad_prompts([[5, 6, 7], [8]], 0)
+  summary = stats.summary(out.tokens, out.canvas_passes, TINY.pad_id, seconds=2.0)
+  counts = (np.asarray(out.tokens) != TINY.pad_id).sum(-1)
+  passes = np.asarray(out.num_denoiser_passes)
+  assert summary["denoiser_passes"] == passes.sum() and summary["new_tokens"] == counts.sum()
+  np.testing.assert_allclose(summary["pooled_tokens_per_forward"], counts.sum() / passes.sum())
+  np.testing.assert_allclose(summary["mean_tokens_per_forward"], np.mean(out.tokens_per_forward), rtol=1e-6)
+  np.testing.assert_allclose(summary["tokens_per_second"], counts.sum() / 2.0)
+  ran = np.asarray(out.canvas_passes)[np.asarray(out.canvas_passes) > 0]
+  np.testing.assert_allclose(summary["steps_per_canvas"], ran.mean())
+  row = np.asarray(out.tokens)[0]
+  new = stats.new_tokens(row, STOP, TINY.pad_id)
+  assert len(new) == counts[0] and (not np.isin(row, STOP).any() or new[-1] in STOP)
+  tokens, lengths = dg.sampling.prompts.pad([[5, 6, 7], [8]], 0)
   np.testing.assert_array_equal(tokens, [[5, 6, 7], [8, 0, 0]])
   np.testing.assert_array_equal(lengths, [3, 1])
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptAll:
+  """A rule that is no row of `build.ACCEPTANCE_RULES`: every eligible position."""
+
+  def __call__(self, token_stats, eligible):
+    return eligible
+
+
+def test_rule_objects_plug_in_and_masked_noise_stops_when_nothing_is_left(model, params):
+  masked = dg.Sampler(model, CONFIG, noise=diffusion.MaskedNoise(TINY.vocab_size), acceptance=AcceptAll())
+  out = masked.generate(params, _prompts(11), _keys(1, 2, 3), max_new_tokens=TINY.canvas_length)
+  np.testing.assert_array_equal(out.canvas_passes, 1)  # all unmasked at once: nothing left to change
+  assert not (np.asarray(out.tokens) == TINY.vocab_size - 1).any()  # the mask token is never sampled
+  assert masked != dg.Sampler(model, CONFIG, noise=diffusion.MaskedNoise(TINY.vocab_size))
+
+
+def test_a_cache_continues_a_prompt(params, model):
+  """generate(B, cache=cache after A) equals generate(A + first committed canvas + B) from scratch: the
+  returned cache holds the prompt and every committed canvas but the last, and only B is encoded."""
+  free = dg.Sampler(model, CONFIG.replace(stop_tokens=()))
+  first = free.generate(params, _prompts(12), _keys(1, 2, 3), 2 * TINY.canvas_length, return_cache=True)
+  np.testing.assert_array_equal(first.cache.length, 5 + TINY.canvas_length)
+  follow = _prompts(13, (2, 2, 2))
+  keys = _keys(4, 5, 6)
+  cont = free.generate(params, follow, keys, NEW, cache=first.cache, return_cache=True)
+  full = np.concatenate([_prompts(12), np.asarray(first.tokens)[:, :TINY.canvas_length], follow], 1)
+  scratch = free.generate(params, full, keys, NEW)
+  np.testing.assert_array_equal(cont.tokens, scratch.tokens)
+  np.testing.assert_array_equal(cont.cache.length, full.shape[1] + TINY.canvas_length)
 
 
 @pytest.mark.slow
@@ -397,12 +500,14 @@ def test_quickstart_notebook_runs(tmp_path, monkeypatch):
   monkeypatch.setenv("DG_ROOT", str(ROOT))
   monkeypatch.setenv("DG_QUICKSTART_WORKDIR", str(tmp_path))
   monkeypatch.setenv("DG_QUICKSTART_STEPS", "20")
+  monkeypatch.setenv("DG_QUICKSTART_NOISE", "masked")  # the notebook samples with the noise it trained
   notebook = nbformat.read(ROOT / "colabs" / "quickstart.ipynb", as_version=4)
   nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
                           resources={"metadata": {"path": str(ROOT / "colabs")}}).execute()
   text = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                  for o in cell.get("outputs", []))
   assert "trained to step 20" in text and "canvas 0 step  1 accepted" in text and "autoregressive:" in text
+  assert "noise masked" in text
 
 
 @pytest.mark.slow
@@ -421,5 +526,6 @@ def test_sample_script_runs(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert out.count("--- [") == 3 and "canvas 1 step  1 accepted" in out
-  assert out.count("diffusion: new_tokens") == 2 and "tokens_per_forward" in out and "compile" in out
+  assert out.count("diffusion: rows") == 2 and "pooled_tokens_per_forward" in out and "compile" in out
+  assert "noise uniform" in out  # every setting the sampler runs with is printed
   assert "autoregressive (greedy)" in out

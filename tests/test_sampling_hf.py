@@ -3,7 +3,8 @@
 1. Same initial canvases and near-zero temperatures: the same tokens over several canvases, stop tokens
    and padding included, and the same tokens per forward (the reference's canvases are injected through
    its `decoder_input_ids`, canvas by canvas).
-2. Default settings: mean tokens per forward over many prompts within 10% of the reference's.
+2. Released temperatures and acceptance with an adaptive stop that fires at different steps in different
+   rows: pooled tokens per forward over many prompts within 10% of the reference's.
 """
 
 import jax
@@ -79,13 +80,12 @@ def test_same_tokens_as_reference_over_canvases_with_stop_tokens(checkpoint, inj
   np.testing.assert_allclose(np.asarray(ours.tokens_per_forward), tpf, rtol=1e-6)
 
 
+# A random model's argmax canvas never settles, so at the full defaults every row runs all 48 steps on
+# both sides (8/48 tokens per forward: a comparison that cannot fail). Without the stability condition the
+# stopping step varies from row to row (about 5 to 48 steps), which makes the comparison sensitive to the
+# schedule, the acceptance rule and the stopping rule.
 @pytest.mark.parametrize("settings,num_prompts", [
-    pytest.param({}, 32, id="default"),
-    # A random model's argmax canvas never settles, so at the defaults every row runs all 48 steps (8/48
-    # tokens per forward for both); without the stability condition the stopping step varies from row to
-    # row (about 5 to 48 steps), which makes the comparison sensitive to the schedule and the rules.
-    pytest.param(dict(stability_threshold=0, confidence_threshold=0.5), 128, id="entropy_stop",
-                 marks=pytest.mark.slow),
+    pytest.param(dict(stability_threshold=0, confidence_threshold=0.5), 128, id="entropy_stop"),
 ])
 def test_tokens_per_forward_agree_with_reference(checkpoint, settings, num_prompts):
   """Tokens per forward over all prompts (all new tokens / all denoiser passes) within 10%.
@@ -104,4 +104,8 @@ def test_tokens_per_forward_agree_with_reference(checkpoint, settings, num_promp
   row_mean = float(out.tokens_per_forward.mean())
   print(f"tokens per forward {settings}: ours {ours_pooled:.3f} (row mean {row_mean:.3f}), "
         f"reference {ref_pooled:.3f} (row mean {ref.mean():.3f})")
+  passes = np.asarray(out.num_denoiser_passes)
+  ref_passes = np.round(C / ref).astype(int)
+  for side in (passes, ref_passes):  # the stop fires, at different steps in different rows
+    assert side.min() < 48 and len(np.unique(side)) >= 5, side
   assert abs(ours_pooled / ref_pooled - 1) <= 0.10

@@ -8,8 +8,10 @@ from diffusiongemma.data.pipeline import make_dataset
 from diffusiongemma.data.pipeline import tokenize_corpus
 from diffusiongemma.data.tokenizer import get_tokenizer
 from diffusiongemma.data.tokenizer import Tokenizer
+from diffusiongemma.data.tokenizer import TOKENIZER_FILENAME
 
 __all__ = [
+    "TOKENIZER_FILENAME",
     "Tokenizer",
     "get_tokenizer",
     "load_corpus",

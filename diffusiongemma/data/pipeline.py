@@ -21,7 +21,7 @@ from absl import logging
 import grain
 import numpy as np
 
-from diffusiongemma.data import _files
+from diffusiongemma import _files
 from diffusiongemma.data.tokenizer import Tokenizer
 
 _ENCODE_CHUNK = 256  # Documents per encode call: bounds the memory of Python id lists.

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from absl import logging
 import sentencepiece as spm
 
-from diffusiongemma.data import _files
+from diffusiongemma import _files
 from diffusiongemma.data import corpus
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3

@@ -1,21 +1,28 @@
-"""Diffusion: noise processes (uniform-state, masked) and the block-diffusion training loss."""
+"""The diffusion process as objects shared by training and sampling: noise processes, acceptance rules,
+stopping rules, and the block-diffusion training loss."""
 
+from diffusiongemma.diffusion.acceptance import AcceptanceRule
+from diffusiongemma.diffusion.acceptance import Confidence
+from diffusiongemma.diffusion.acceptance import EntropyBound
+from diffusiongemma.diffusion.acceptance import TokenStats
+from diffusiongemma.diffusion.acceptance import TopCount
 from diffusiongemma.diffusion.loss import diffusion_loss
 from diffusiongemma.diffusion.loss import LossConfig
-from diffusiongemma.diffusion.noise import make_noise
-from diffusiongemma.diffusion.noise import mask_token_id
 from diffusiongemma.diffusion.noise import MaskedNoise
-from diffusiongemma.diffusion.noise import NOISES
+from diffusiongemma.diffusion.noise import NEVER_LOGIT
+from diffusiongemma.diffusion.noise import NoiseProcess
 from diffusiongemma.diffusion.noise import sample_time
 from diffusiongemma.diffusion.noise import UniformNoise
+from diffusiongemma.diffusion.stopping import AllOf
+from diffusiongemma.diffusion.stopping import AnyOf
+from diffusiongemma.diffusion.stopping import ArgmaxStable
+from diffusiongemma.diffusion.stopping import MeanEntropyBelow
+from diffusiongemma.diffusion.stopping import NoEarlyStop
+from diffusiongemma.diffusion.stopping import stable_and_confident
+from diffusiongemma.diffusion.stopping import StoppingRule
 
 __all__ = [
-    "LossConfig",
-    "MaskedNoise",
-    "NOISES",
-    "UniformNoise",
-    "diffusion_loss",
-    "make_noise",
-    "mask_token_id",
-    "sample_time",
+    "AcceptanceRule", "AllOf", "AnyOf", "ArgmaxStable", "Confidence", "EntropyBound", "LossConfig",
+    "MaskedNoise", "MeanEntropyBelow", "NEVER_LOGIT", "NoEarlyStop", "NoiseProcess", "StoppingRule",
+    "TokenStats", "TopCount", "UniformNoise", "diffusion_loss", "sample_time", "stable_and_confident",
 ]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,20 +44,20 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-  """`config.diffusion` as a frozen, hashable value (usable as a static jit argument)."""
+  """The objective: a frozen, hashable value (a static jit argument), built by `build.loss(config)` from
+  `config.diffusion`; its `noise` is the same object the sampler of that config is given."""
 
-  noise: str = "uniform"
+  noise: noise_lib.NoiseProcess
   eps: float = 1e-4
   self_conditioning_prob: float = 0.5
   ar_loss_weight: float = 1.0
   diffusion_loss_weight: float = 1.0  # 0: the AR baseline (see the module docstring)
   all_canvases: bool = False
-  mask_token_id: int = -1  # masked noise only; -1: the last id of the model vocabulary
 
   def __post_init__(self):
-    if self.noise not in noise_lib.NOISES:
-      raise ValueError(f"Unknown noise {self.noise!r} (config.diffusion.noise); expected one of "
-                       f"{noise_lib.NOISES}.")
+    if not hasattr(self.noise, "corrupt"):
+      raise ValueError(f"LossConfig.noise={self.noise!r} is not a noise process (e.g. "
+                       "diffusion.UniformNoise(vocab_size)).")
     if not 0.0 <= self.eps < 0.5:
       raise ValueError(f"config.diffusion.eps must be in [0, 0.5), got {self.eps}.")
     if not 0.0 <= self.self_conditioning_prob <= 1.0:
@@ -70,14 +69,6 @@ class LossConfig:
     if self.diffusion_loss_weight == 0 and self.ar_loss_weight == 0:
       raise ValueError("config.diffusion.diffusion_loss_weight and ar_loss_weight are both 0: nothing "
                        "would be trained; set at least one of them > 0.")
-
-  @classmethod
-  def from_dict(cls, values: Mapping[str, Any]) -> "LossConfig":
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-      raise ValueError(f"Unknown config.diffusion fields {unknown}; known: {sorted(names)}.")
-    return cls(**dict(values))
 
   def replace(self, **changes) -> "LossConfig":
     return dataclasses.replace(self, **changes)
@@ -105,7 +96,10 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   b = tokens.shape[0]
   c = model.config.canvas_length
   n = num_canvases
-  noise = noise_lib.make_noise(config.noise, model.config.vocab_size, config.mask_token_id)
+  noise = config.noise
+  if noise.vocab_size != model.config.vocab_size:
+    raise ValueError(f"The {noise.name} noise draws from {noise.vocab_size} tokens but the model has "
+                     f"vocab_size={model.config.vocab_size}; build both from one config (build.loss).")
   k_t, k_noise, k_canvas, k_sc = jax.random.split(rng, 4)
 
   offsets = start[:, None] + jnp.arange(n * c, dtype=jnp.int32)[None]  # [B, nC]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -28,10 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffusiongemma import build
 from diffusiongemma import data as data_lib
 from diffusiongemma.model import DiffusionGemma, ModelConfig
-from diffusiongemma.sampling import runner
-from diffusiongemma.training.checkpoint import CONFIG_FILENAME  # what training writes into its workdir
+from diffusiongemma.sampling import prompts as prompts_lib
+from diffusiongemma.sampling import stats as stats_lib
+from diffusiongemma.training import checkpoint
+
 
 @dataclasses.dataclass(frozen=True)
 class Judge:
@@ -74,7 +76,7 @@ def continuation_nll(judge: Judge, prompts: Sequence[Sequence[int]], continuatio
   if any(len(p) < 1 for p in prompts):
     raise ValueError("Every prompt needs at least one token to condition on.")
   length = max(-(-max(len(r) for r in rows) // pad_to) * pad_to, 2)
-  tokens, lengths = runner.pad_prompts(rows, judge.model.config.pad_id)
+  tokens, lengths = prompts_lib.pad(rows, judge.model.config.pad_id)
   tokens = np.pad(tokens, ((0, 0), (0, length - tokens.shape[1])), constant_values=judge.model.config.pad_id)
   log_probs = np.asarray(_target_log_probs(judge.model, judge.variables, jnp.asarray(tokens),
                                            jnp.asarray(lengths)))  # [N, L - 1]
@@ -111,14 +113,15 @@ def score(prompts, continuations, judges: Sequence[Judge], references=None) -> d
 def sample(sampler, variables, prompts: np.ndarray, rng, max_new_tokens: int, batch_size: int
            ) -> tuple[list[list[int]], dict[str, float]]:
   """Continuations of `prompts` [N, P] (each up to and including its stop token) and the sampler's
-  tokens per forward (new tokens / denoiser passes, over all rows) and steps per canvas.
+  statistics over all of them (`sampling.stats.summary`: pooled and mean tokens per forward, steps per
+  canvas).
 
   Batches are all `batch_size` rows (the last one padded with copies, dropped after), so one program
   serves every batch.
   """
   n = prompts.shape[0]
   stop, pad = sampler.stop_tokens, sampler.model.config.pad_id
-  continuations, passes = [], []
+  continuations, tokens, passes = [], [], []
   for i, start in enumerate(range(0, n, batch_size)):
     chunk = prompts[start:start + batch_size]
     real = chunk.shape[0]
@@ -126,10 +129,12 @@ def sample(sampler, variables, prompts: np.ndarray, rng, max_new_tokens: int, ba
       chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - real, 0)])
     out = sampler.generate(variables, jnp.asarray(chunk), jax.random.fold_in(rng, i),
                            max_new_tokens=max_new_tokens)
-    continuations += [runner.new_tokens(row, stop, pad) for row in np.asarray(out.tokens)[:real]]
+    tokens.append(np.asarray(out.tokens)[:real])
     passes.append(np.asarray(out.canvas_passes)[:real])
-  stats = runner.pass_stats(sum(len(c) for c in continuations), np.concatenate(passes))
-  return continuations, {k: stats[k] for k in ("tokens_per_forward", "steps_per_canvas")}
+    continuations += [stats_lib.new_tokens(row, stop, pad) for row in tokens[-1]]
+  summary = stats_lib.summary(np.concatenate(tokens), np.concatenate(passes), pad)
+  return continuations, {k: summary[k] for k in ("pooled_tokens_per_forward", "mean_tokens_per_forward",
+                                                 "steps_per_canvas")}
 
 
 def validation_prompts(config, tokenizer, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -152,25 +157,24 @@ def validation_prompts(config, tokenizer, num_samples: int) -> tuple[np.ndarray,
 def load_judge(name: str, workdir, model_config: ModelConfig | None = None) -> Judge:
   """The latest checkpoint of a training workdir as a judge; its model config comes from the workdir's
   config.json (so a baseline may differ from the writer), else `model_config`."""
-  restored = runner.restore_workdir_params(workdir)
-  if restored is None:
-    raise FileNotFoundError(f"No checkpoint in {workdir}/{runner.CHECKPOINT_DIRNAME} for the {name} judge: "
+  if checkpoint.latest_step(workdir) is None:
+    raise FileNotFoundError(f"No checkpoint in {workdir}/{checkpoint.CHECKPOINT_DIRNAME} for the {name} judge: "
                             "train it first (e.g. scripts/train.py --config=configs/small_ar.py).")
-  saved = pathlib.Path(workdir) / CONFIG_FILENAME
-  if saved.is_file():
-    model_config = ModelConfig.from_dict(json.loads(saved.read_text())["model"])
+  saved = build.workdir_config(workdir)
+  if saved is not None:
+    model_config = build.model_config(saved)
   if model_config is None:
-    raise ValueError(f"{saved} is missing and no model config was given for the {name} judge.")
-  return Judge(name, DiffusionGemma(model_config), restored[0])
+    raise ValueError(f"{workdir}/{checkpoint.CONFIG_FILENAME} is missing and no model config was given for "
+                     f"the {name} judge.")
+  return Judge(name, DiffusionGemma(model_config), checkpoint.load_params(workdir)[0])
 
 
 def _workdir_tokenizer(workdir) -> bytes | None:
   """The serialized tokenizer a workdir trained with, when it can be found."""
-  workdir = pathlib.Path(workdir)
-  path = workdir / "tokenizer.model"
-  saved = workdir / CONFIG_FILENAME
-  if saved.is_file():
-    path = pathlib.Path(json.loads(saved.read_text())["data"].get("tokenizer_path") or path)
+  path = pathlib.Path(workdir) / data_lib.TOKENIZER_FILENAME
+  saved = build.workdir_config(workdir)
+  if saved is not None:
+    path = pathlib.Path(saved.data.get("tokenizer_path") or path)
   return data_lib.Tokenizer(path).serialized if path.is_file() else None
 
 
@@ -186,9 +190,9 @@ class GenerativeEval:
     if num_samples < 1 or batch_size < 1:
       raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}.")
     self.config, self.batch_size, self.seed = config, min(batch_size, num_samples), seed
-    self.model_config, self.variables, self.source = runner.load_model(config, workdir)
-    self.tokenizer = data_lib.get_tokenizer(workdir, path=config.data.tokenizer_path or None,
-                                            vocab_size=config.data.vocab_size)
+    weights = build.load(config, workdir=workdir)
+    self.model_config, self.variables, self.source = weights.model_config, weights.variables, weights.source
+    self.tokenizer = build.tokenizer(config, workdir)
     self.judges = [Judge("self", DiffusionGemma(self.model_config), self.variables)]
     if baseline_workdir:
       baseline = load_judge("baseline", baseline_workdir, self.model_config)
@@ -204,11 +208,11 @@ class GenerativeEval:
     self.prompts, self.following = validation_prompts(config, self.tokenizer, num_samples)
 
   def run(self, max_new_tokens: int | None = None, **sampler_overrides) -> dict[str, Any]:
-    sampler = runner.sampler_for(self.model_config, self.config, **sampler_overrides)
-    max_new_tokens = max_new_tokens or self.config.sampler.max_new_tokens
+    sampler = build.sampler(self.config, self.model_config, **sampler_overrides)
+    max_new_tokens = max_new_tokens or build.max_new_tokens(self.config)
     continuations, stats = sample(sampler, self.variables, self.prompts, jax.random.key(self.seed),
                                   max_new_tokens, self.batch_size)
-    results = {"weights": self.source, "max_new_tokens": max_new_tokens,
+    results = {"weights": self.source, "max_new_tokens": max_new_tokens, "sampler": sampler.settings(),
                "entropy_bound": sampler.config.entropy_bound,
                "max_denoising_steps": sampler.config.max_denoising_steps, **stats,
                **score(self.prompts, continuations, self.judges, self.following)}

@@ -29,11 +29,11 @@ def eval_loss_config(loss_config: loss_lib.LossConfig) -> loss_lib.LossConfig:
 
 
 def evaluate_params(eval_step: Callable, params, batches: Iterable, *, num_batches: int,
-                    noise: str, to_global: Callable = lambda b: b, seed: int = EVAL_SEED) -> dict:
+                    elbo: bool, to_global: Callable = lambda b: b, seed: int = EVAL_SEED) -> dict:
   """Mean metrics of `eval_step(params, batch, rng)` over the first `num_batches` batches.
 
-  Returns `diffusion_loss`, `ar_loss`, `ar_perplexity`, `loss`, `num_batches`, and for masked noise
-  `perplexity_bound`.
+  Returns `diffusion_loss`, `ar_loss`, `ar_perplexity`, `loss`, `num_batches`, and
+  `perplexity_bound` when the loss is an ELBO (`elbo`: masked noise, `NoiseProcess.loss_is_elbo`).
   """
   sums, count = {}, 0
   base = jax.random.PRNGKey(seed)
@@ -50,7 +50,7 @@ def evaluate_params(eval_step: Callable, params, batches: Iterable, *, num_batch
   means = {k: v / count for k, v in sums.items()}
   out = {k: means[k] for k in ("loss", "diffusion_loss", "diffusion_ce", "ar_loss")}
   out["ar_perplexity"] = float(np.exp(min(means["ar_loss"], 700.0)))
-  if noise == "masked":
+  if elbo:
     out["perplexity_bound"] = float(np.exp(min(means["diffusion_loss"], 700.0)))
   out["num_batches"] = count
   return {k: (v if math.isfinite(v) else float("nan")) for k, v in out.items()}

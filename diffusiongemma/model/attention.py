@@ -50,6 +50,13 @@ class KVCache:
       values.append(jnp.zeros((batch_size, capacity, kv_heads, head_dim), dtype))
     return cls(tuple(keys), tuple(values), jnp.zeros((batch_size,), jnp.int32))
 
+  def resized(self, capacity: int) -> "KVCache":
+    """The same cache with room for `capacity` positions (zeros added at the end; only growing)."""
+    if capacity < self.capacity:
+      raise ValueError(f"A KVCache only grows: capacity {capacity} < {self.capacity}.")
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, capacity - x.shape[1]), (0, 0), (0, 0)))
+    return self.replace(keys=tuple(map(pad, self.keys)), values=tuple(map(pad, self.values)))
+
   def with_length(self, length: Array) -> "KVCache":
     """The same cache seen as holding only positions < length (e.g. a canvas start in training)."""
     return self.replace(length=jnp.broadcast_to(jnp.asarray(length, jnp.int32), self.length.shape))

@@ -1,24 +1,20 @@
-"""Sampling: the compiled block-diffusion sampler, its swappable rules, and autoregressive decoding."""
+"""Sampling: the compiled block-diffusion sampler, autoregressive decoding, and their statistics.
 
-from diffusiongemma.sampling import rules
+Imports neither `data` nor `training`: a sampler needs a model, its parameters and the diffusion objects.
+"""
+
+from diffusiongemma.sampling import prompts
+from diffusiongemma.sampling import stats
 from diffusiongemma.sampling.autoregressive import ARSampleOutput
-from diffusiongemma.sampling.config import ACCEPTANCE_RULES, NOISES, STOPPING_RULES, SamplerConfig
-from diffusiongemma.sampling.sampler import SampleOutput, Sampler, row_keys
-from diffusiongemma.sampling.steps import DenoiseState, StepTrace, denoise_canvas, denoise_step, init_state
+from diffusiongemma.sampling.autoregressive import ARSampler
+from diffusiongemma.sampling.config import SamplerConfig
+from diffusiongemma.sampling.sampler import SampleOutput
+from diffusiongemma.sampling.sampler import Sampler
+from diffusiongemma.sampling.steps import DenoiseState
+from diffusiongemma.sampling.steps import Rules
+from diffusiongemma.sampling.steps import StepTrace
 
 __all__ = [
-    "ACCEPTANCE_RULES",
-    "ARSampleOutput",
-    "DenoiseState",
-    "NOISES",
-    "STOPPING_RULES",
-    "SampleOutput",
-    "Sampler",
-    "SamplerConfig",
-    "StepTrace",
-    "denoise_canvas",
-    "denoise_step",
-    "init_state",
-    "row_keys",
-    "rules",
+    "ARSampleOutput", "ARSampler", "DenoiseState", "Rules", "SampleOutput", "Sampler", "SamplerConfig",
+    "StepTrace", "prompts", "stats",
 ]

@@ -1,15 +1,21 @@
-"""Autoregressive decoding with the causal encoder: one `lax.while_loop`, one token per forward pass.
+"""`ARSampler`: token-by-token decoding with the causal encoder, the diffusion sampler's yardstick.
+
+The same weights and KV cache as diffusion sampling, one token per forward pass, in one `lax.while_loop`.
 
 Axes: B batch, M new tokens, V vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from diffusiongemma.model.attention import KVCache
+from diffusiongemma.sampling import prompts as prompts_lib
 
 Array = jax.Array
 
@@ -20,6 +26,18 @@ class ARSampleOutput:
 
   tokens: Array
   num_forward_passes: Array
+
+
+@flax.struct.dataclass
+class _DecodeLoop:
+  """The carry of the decoding loop."""
+
+  index: Array  # [] int32: the position (in new tokens) being decoded
+  logits: Array  # [B, V] the logits that predict it
+  cache: KVCache
+  tokens: Array  # [B, M]
+  finished: Array  # [B] bool
+  passes: Array  # [B] int32
 
 
 def sample_token(key: Array, logits: Array, temperature: Array, top_p: Array) -> Array:
@@ -34,28 +52,67 @@ def sample_token(key: Array, logits: Array, temperature: Array, top_p: Array) ->
   return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
 
 
-def decode(encode: Callable, last_logits: Array, cache, keys: Array, temperature: Array, top_p: Array,
-           stop_tokens: Array, pad_id: int, max_new_tokens: int) -> ARSampleOutput:
-  """Decodes up to `max_new_tokens` after the prompt whose last logits [B, V] and cache are given.
+class ARSampler(prompts_lib.StaticArgument):
+  """Autoregressive decoding of a DiffusionGemma's encoder: greedy, or temperature with nucleus (top-p).
 
-  `encode(tokens [B, 1], cache) -> (logits [B, 1, V], cache)` appends one token per row. Row b's i-th
-  token uses key fold_in(keys[b], i). Stops when every row has produced a stop token.
+  One compiled program per (sampler, batch size, prompt bucket, max_new_tokens); a row stops after a
+  stop token (then pad); the loop ends when every row has. Row b's i-th token uses key
+  fold_in(keys[b], i), so rows are independent of their batch.
   """
-  b = last_logits.shape[0]
 
-  def body(carry):
-    i, logits, cache, tokens, finished, passes = carry
+  def __init__(self, model: nn.Module, *, stop_tokens=None, prompt_bucket: int = 64):
+    self.model = model
+    self.stop_tokens = prompts_lib.check_stop_tokens(stop_tokens, model.config)
+    if isinstance(prompt_bucket, bool) or not isinstance(prompt_bucket, int) or prompt_bucket < 1:
+      raise ValueError(f"prompt_bucket={prompt_bucket!r} is invalid: must be a positive integer.")
+    self.prompt_bucket = prompt_bucket
+
+  def _key(self):
+    return (self.model, self.stop_tokens, self.prompt_bucket)
+
+  def generate(self, params, prompt_tokens, rng, max_new_tokens: int = 256, prompt_lengths=None, *,
+               temperature: float = 0.0, top_p: float = 1.0) -> ARSampleOutput:
+    """Up to `max_new_tokens` tokens after each prompt (inputs as `Sampler.generate`).
+
+    temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the smallest set of
+    tokens whose probability reaches `top_p` (nucleus).
+    """
+    if not (isinstance(temperature, (int, float)) and temperature >= 0):
+      raise ValueError(f"temperature={temperature!r} is invalid: must be >= 0 (0 is greedy).")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+      raise ValueError(f"top_p={top_p!r} is invalid: must lie in (0, 1].")
+    max_new_tokens = prompts_lib.check_max_new_tokens(max_new_tokens)
+    prompt, lengths = prompts_lib.prepare(self.model.config, prompt_tokens, prompt_lengths, max_new_tokens,
+                                          self.prompt_bucket)
+    return _program(self, prompts_lib.variables(params), prompt, lengths,
+                    prompts_lib.row_keys(rng, prompt.shape[0]), jnp.float32(temperature), jnp.float32(top_p),
+                    max_new_tokens=max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("sampler", "max_new_tokens"))
+def _program(sampler: ARSampler, variables, prompt, lengths, keys, temperature, top_p, *,
+             max_new_tokens: int) -> ARSampleOutput:
+  model, mc = sampler.model, sampler.model.config
+  b = prompt.shape[0]
+  stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
+  encode = lambda tokens, cache, num=None: model.apply(variables, tokens, cache, num_tokens=num,
+                                                       method=model.encode)
+  logits, cache = encode(prompt, KVCache.empty(mc, b, prompt.shape[1] + max_new_tokens), lengths)
+  last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+
+  def body(loop: _DecodeLoop) -> _DecodeLoop:
+    i = loop.index
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-    token = jax.vmap(sample_token, in_axes=(0, 0, None, None))(step_keys, logits, temperature, top_p)
-    token = jnp.where(finished, pad_id, token)
-    tokens = tokens.at[:, i].set(token)
-    passes = passes + (~finished).astype(jnp.int32)
-    finished = finished | jnp.isin(token, stop_tokens)
+    token = jax.vmap(sample_token, in_axes=(0, 0, None, None))(step_keys, loop.logits, temperature, top_p)
+    token = jnp.where(loop.finished, mc.pad_id, token)
     logits, cache = jax.lax.cond(i + 1 < max_new_tokens, lambda c: encode(token[:, None], c),
-                                 lambda c: (logits[:, None], c), cache)
-    return i + 1, logits[:, 0], cache, tokens, finished, passes
+                                 lambda c: (loop.logits[:, None], c), loop.cache)
+    return _DecodeLoop(index=i + 1, logits=logits[:, 0], cache=cache, tokens=loop.tokens.at[:, i].set(token),
+                       finished=loop.finished | jnp.isin(token, stop_tokens),
+                       passes=loop.passes + (~loop.finished).astype(jnp.int32))
 
-  carry = (jnp.zeros((), jnp.int32), last_logits, cache, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
-           jnp.zeros((b,), bool), jnp.zeros((b,), jnp.int32))
-  carry = jax.lax.while_loop(lambda c: (c[0] < max_new_tokens) & ~jnp.all(c[4]), body, carry)
-  return ARSampleOutput(tokens=carry[3], num_forward_passes=carry[5])
+  loop = _DecodeLoop(index=jnp.zeros((), jnp.int32), logits=last, cache=cache,
+                     tokens=jnp.full((b, max_new_tokens), mc.pad_id, jnp.int32),
+                     finished=jnp.zeros((b,), bool), passes=jnp.zeros((b,), jnp.int32))
+  loop = jax.lax.while_loop(lambda lp: (lp.index < max_new_tokens) & ~jnp.all(lp.finished), body, loop)
+  return ARSampleOutput(tokens=loop.tokens, num_forward_passes=loop.passes)

@@ -7,14 +7,16 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-ACCEPTANCE_RULES = ("entropy", "confidence", "count")
-STOPPING_RULES = ("stable", "fixed")
-NOISES = ("uniform", "masked")
+ACCEPTANCE_NAMES = ("entropy", "confidence", "count")  # build.ACCEPTANCE_RULES maps them to objects
+STOPPING_NAMES = ("stable", "fixed")  # build.STOPPING_RULES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
   """Settings of `Sampler.generate`; the defaults are those of the released model (transformers).
+
+  The noise process is not a setting here: a model is sampled with the noise it was trained with, which
+  `Sampler(model, config, noise=...)` is given (`build.sampler(config)` passes `config.diffusion`'s).
 
   Schedule: at step n of N (counting the steps *remaining*, N down to 1) the logits are divided by
   T = t_min + (t_max - t_min) * n / N, so the first step runs at t_max and the last one just above t_min.
@@ -29,9 +31,6 @@ class SamplerConfig:
     'stable'     (released) the argmax canvas equals the previous `stability_threshold` steps' argmax
                  canvases and the mean entropy of the scaled distribution is below `confidence_threshold`.
     'fixed'      always run `max_denoising_steps` steps.
-  noise: 'uniform' (released) starts from uniformly random tokens and re-noises every position that was
-    not accepted; 'masked' starts from `mask_token_id` everywhere (default: the vocabulary's last id),
-    keeps accepted tokens for good and never samples the mask token.
   stop_tokens: after the first of them a row is finished and the rest of its output is pad; None means
     the model's `eos_id`.
   canvas_length: None means the model's; anything else must equal it.
@@ -50,8 +49,6 @@ class SamplerConfig:
   confidence_accept: float = 0.9
   tokens_per_step: int = 1
   stopping: str = "stable"
-  noise: str = "uniform"
-  mask_token_id: int | None = None
   canvas_length: int | None = None
   prompt_bucket: int = 64
 
@@ -83,16 +80,13 @@ class SamplerConfig:
       fail("confidence_accept", "must be a probability in (0, 1]")
     if not is_int(self.stability_threshold) or self.stability_threshold < 0:
       fail("stability_threshold", "must be an integer >= 0")
-    for field, allowed in (("acceptance", ACCEPTANCE_RULES), ("stopping", STOPPING_RULES), ("noise", NOISES)):
+    for field, allowed in (("acceptance", ACCEPTANCE_NAMES), ("stopping", STOPPING_NAMES)):
       if getattr(self, field) not in allowed:
         fail(field, f"must be one of {allowed}")
     if self.stop_tokens is not None and not all(is_int(t) and t >= 0 for t in self.stop_tokens):
       fail("stop_tokens", "must be non-negative token ids")
-    for field in ("mask_token_id", "canvas_length"):
-      value = getattr(self, field)
-      lowest, what = (0, "a token id >= 0") if field == "mask_token_id" else (1, "a positive integer")
-      if value is not None and (not is_int(value) or value < lowest):
-        fail(field, f"must be None or {what}")
+    if self.canvas_length is not None and (not is_int(self.canvas_length) or self.canvas_length < 1):
+      fail("canvas_length", "must be None or a positive integer")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "SamplerConfig":

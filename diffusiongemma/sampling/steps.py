@@ -1,27 +1,45 @@
 """The pure denoising step, its loop state, and the `lax.while_loop` that runs one canvas.
 
-`denoise_step(config, denoiser, state, keys)` is a pure function of its inputs: the model enters only
-through `denoiser(canvas, self_conditioning_logits, self_conditioning_mask) -> logits [B, C, V]`, and the
-randomness only through one key per row, folded with the step index. Running it in a Python loop or in
-`lax.while_loop` gives the same tokens.
+`denoise_step(rules, denoiser, state, keys)` is a pure function of its inputs: the model enters only
+through `denoiser(canvas, self_conditioning_logits, self_conditioning_mask) -> logits [B, C, V]`, the
+process only through `rules` (schedule, noise, acceptance and stopping objects), and the randomness only
+through one key per row, folded with the step index. Running it in a Python loop or in `lax.while_loop`
+gives the same tokens.
 
-Axes: B batch, C canvas, V vocab, N steps, S stability history.
+Axes: B batch, C canvas, V vocab, N steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from diffusiongemma.sampling import rules
-from diffusiongemma.sampling.config import SamplerConfig
+from diffusiongemma.diffusion import acceptance as acceptance_lib
+from diffusiongemma.diffusion import noise as noise_lib
+from diffusiongemma.diffusion import stopping as stopping_lib
 
 Array = jax.Array
 Denoiser = Callable[[Array, Array, Array], Array]
-_NEVER = -1e9  # logit of a token that must never be sampled (the mask token of masked noise)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+  """Everything a denoising step needs besides the model and its randomness (hashable: static).
+
+  Schedule: at step n of N remaining (N .. 1) the logits are divided by T = t_min + (t_max - t_min) n / N.
+  """
+
+  max_denoising_steps: int
+  t_max: float
+  t_min: float
+  noise: noise_lib.NoiseProcess
+  acceptance: acceptance_lib.AcceptanceRule
+  stopping: stopping_lib.StoppingRule
 
 
 @flax.struct.dataclass
@@ -33,8 +51,8 @@ class DenoiseState:
   argmax: Array  # [B, C] int32: argmax canvas of the last pass (what is committed)
   sc_logits: Array  # [B, C, V] float32: temperature-scaled logits fed back as self-conditioning
   has_sc: Array  # [B] bool: false before the first pass (a zero self-conditioning signal)
-  history: Array  # [S, B, C] int32: the last argmax canvases, -1 before any
-  fixed: Array  # [B, C] bool: masked noise: positions already unmasked (never re-noised)
+  stop_state: Any  # the stopping rule's carry (e.g. the argmax history)
+  fixed: Array  # [B, C] bool: positions that may no longer change (masked noise: unmasked ones)
   done: Array  # [B] bool
   passes: Array  # [B] int32: denoiser passes that counted for this row
   accepted: Array  # [B, C] bool: positions accepted by the last step
@@ -48,64 +66,64 @@ class StepTrace:
   canvas: Array
   accepted: Array
 
+  @classmethod
+  def zeros(cls, shape) -> "StepTrace":
+    return cls(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool))
 
-def mask_token(config: SamplerConfig, vocab_size: int) -> int:
-  return vocab_size - 1 if config.mask_token_id is None else config.mask_token_id
+
+def temperature(rules: Rules, remaining: Array) -> Array:
+  """T = t_min + (t_max - t_min) * n / N at `remaining` steps n (N .. 1), in float32."""
+  ratio = jnp.asarray(remaining, jnp.float32) / jnp.float32(rules.max_denoising_steps)
+  return jnp.float32(rules.t_min) + jnp.float32(rules.t_max - rules.t_min) * ratio
 
 
-def init_state(config: SamplerConfig, canvas: Array, done: Array, vocab_size: int) -> DenoiseState:
+def token_stats(scaled_logits: Array, keys: Array) -> acceptance_lib.TokenStats:
+  """Entropy, top probability, argmax and one sample per position of softmax(scaled_logits) [B, C, V]."""
+  logp = jax.nn.log_softmax(scaled_logits.astype(jnp.float32), axis=-1)
+  probs = jnp.exp(logp)
+  return acceptance_lib.TokenStats(
+      entropy=-jnp.sum(probs * logp, axis=-1),
+      confidence=jnp.max(probs, axis=-1),
+      argmax=jnp.argmax(scaled_logits, axis=-1).astype(jnp.int32),
+      sample=jax.vmap(jax.random.categorical)(keys, scaled_logits).astype(jnp.int32))
+
+
+def init_state(rules: Rules, canvas: Array, done: Array, vocab_size: int) -> DenoiseState:
   """The state before the first pass over `canvas` [B, C]; `done` [B] rows are skipped entirely."""
   b, c = canvas.shape
-  if config.noise == "masked":
-    fixed = canvas != mask_token(config, vocab_size)  # given tokens of an initial canvas stay
-  else:
-    fixed = jnp.zeros((b, c), bool)
+  canvas = canvas.astype(jnp.int32)
   return DenoiseState(
       step=jnp.zeros((), jnp.int32),
-      canvas=canvas.astype(jnp.int32),
-      argmax=canvas.astype(jnp.int32),
+      canvas=canvas,
+      argmax=canvas,
       sc_logits=jnp.zeros((b, c, vocab_size), jnp.float32),
       has_sc=jnp.zeros((b,), bool),
-      history=jnp.full((rules.history_length(config), b, c), -1, jnp.int32),
-      fixed=fixed,
+      stop_state=rules.stopping.init(b, c),
+      fixed=rules.noise.initial_fixed(canvas),
       done=done,
       passes=jnp.zeros((b,), jnp.int32),
       accepted=jnp.zeros((b, c), bool),
   )
 
 
-def uniform_tokens(keys: Array, length: int, vocab_size: int) -> Array:
-  """Per-row uniformly random tokens over the whole vocabulary: keys [B] -> [B, length]."""
-  return jax.vmap(lambda k: jax.random.randint(k, (length,), 0, vocab_size, jnp.int32))(keys)
-
-
-def denoise_step(config: SamplerConfig, denoiser: Denoiser, state: DenoiseState, keys: Array) -> DenoiseState:
+def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array) -> DenoiseState:
   """One denoising pass: sample, accept, re-noise, check stopping (the released algorithm).
 
   The denoiser sees the canvas and the previous step's scaled logits; every position is sampled from
-  softmax(logits / T); the acceptance rule keeps some of the samples; uniform noise re-draws every other
-  position, masked noise leaves them masked. The argmax canvas, the canvas and the logits of rows that
-  were already done are kept as they were.
+  softmax(logits / T); the acceptance rule keeps some of the samples among the positions not fixed; the
+  noise process decides what becomes of the others (uniform: re-drawn; masked: still masked). A row stops
+  when the stopping rule says so or nothing is left to change. The argmax canvas, the canvas and the
+  logits of rows that were already done are kept as they were.
   """
-  b, c = state.canvas.shape
-  logits = denoiser(state.canvas, state.sc_logits, state.has_sc)  # [B, C, V]
-  vocab_size = logits.shape[-1]
-  if config.noise == "masked":
-    logits = logits.at[..., mask_token(config, vocab_size)].set(_NEVER)
-  scaled = logits / rules.temperature(config, config.max_denoising_steps - state.step)
+  b = state.canvas.shape[0]
+  logits = rules.noise.prepare_logits(denoiser(state.canvas, state.sc_logits, state.has_sc))  # [B, C, V]
+  scaled = logits / temperature(rules, rules.max_denoising_steps - state.step)
   step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, state.step)
   sample_keys, noise_keys = jnp.moveaxis(jax.vmap(jax.random.split)(step_keys), 1, 0)
-  sampled = jax.vmap(jax.random.categorical)(sample_keys, scaled).astype(jnp.int32)  # [B, C]
-  argmax = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-  token_entropy = rules.entropy(scaled)  # [B, C]
-  accepted = rules.accept(config, scaled, token_entropy, ~state.fixed)
-  if config.noise == "masked":
-    canvas = jnp.where(accepted, sampled, state.canvas)
-    fixed = state.fixed | accepted
-    argmax = jnp.where(fixed, canvas, argmax)
-  else:
-    canvas = jnp.where(accepted, sampled, uniform_tokens(noise_keys, c, vocab_size))
-    fixed = state.fixed
+  stats = token_stats(scaled, sample_keys)
+  accepted = rules.acceptance(stats, ~state.fixed)
+  canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, stats.sample, accepted, state.fixed)
+  argmax = jnp.where(fixed, canvas, stats.argmax)
 
   done = state.done
   keep = done[:, None]
@@ -113,16 +131,15 @@ def denoise_step(config: SamplerConfig, denoiser: Denoiser, state: DenoiseState,
   canvas = jnp.where(keep, state.canvas, canvas)
   fixed = jnp.where(keep, state.fixed, fixed)
   scaled = jnp.where(keep[..., None], state.sc_logits, scaled)
-  stop, history = rules.should_stop(config, state.history, argmax, token_entropy)
-  if config.noise == "masked":
-    stop |= jnp.all(fixed, axis=-1)  # nothing left to unmask
+  stop, stop_state = rules.stopping(state.stop_state, stats.replace(argmax=argmax))
+  stop |= jnp.all(fixed, axis=-1)  # nothing left to change
   return DenoiseState(
       step=state.step + 1,
       canvas=canvas,
       argmax=argmax,
       sc_logits=scaled,
       has_sc=jnp.ones((b,), bool),
-      history=history,
+      stop_state=stop_state,
       fixed=fixed,
       done=done | stop,
       passes=state.passes + (~done).astype(jnp.int32),
@@ -130,28 +147,25 @@ def denoise_step(config: SamplerConfig, denoiser: Denoiser, state: DenoiseState,
   )
 
 
-def should_continue(config: SamplerConfig, state: DenoiseState) -> Array:
-  return (state.step < config.max_denoising_steps) & ~jnp.all(state.done)
+def should_continue(rules: Rules, state: DenoiseState) -> Array:
+  return (state.step < rules.max_denoising_steps) & ~jnp.all(state.done)
 
 
-def denoise_canvas(config: SamplerConfig, denoiser: Denoiser, state: DenoiseState, keys: Array,
+def denoise_canvas(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array,
                    return_trace: bool = False) -> tuple[DenoiseState, StepTrace | None]:
   """Steps until every row is done or the step cap is reached, in one `lax.while_loop`."""
   if not return_trace:
-    state = jax.lax.while_loop(lambda s: should_continue(config, s),
-                               lambda s: denoise_step(config, denoiser, s, keys), state)
+    state = jax.lax.while_loop(lambda s: should_continue(rules, s),
+                               lambda s: denoise_step(rules, denoiser, s, keys), state)
     return state, None
-
-  n = config.max_denoising_steps
-  shape = (n,) + state.canvas.shape
-  trace = StepTrace(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool))
 
   def body(carry):
     s, t = carry
     i = s.step
-    s = denoise_step(config, denoiser, s, keys)
+    s = denoise_step(rules, denoiser, s, keys)
     t = StepTrace(t.argmax.at[i].set(s.argmax), t.canvas.at[i].set(s.canvas),
                   t.accepted.at[i].set(s.accepted))
     return s, t
 
-  return jax.lax.while_loop(lambda carry: should_continue(config, carry[0]), body, (state, trace))
+  trace = StepTrace.zeros((rules.max_denoising_steps,) + state.canvas.shape)
+  return jax.lax.while_loop(lambda carry: should_continue(rules, carry[0]), body, (state, trace))

@@ -3,8 +3,8 @@
 from diffusiongemma.training.checkpoint import Checkpointer
 from diffusiongemma.training.checkpoint import config_mismatches
 from diffusiongemma.training.checkpoint import ConfigMismatchError
+from diffusiongemma.training.checkpoint import latest_step
 from diffusiongemma.training.checkpoint import load_params
-from diffusiongemma.training.evaluation import evaluate_params
 from diffusiongemma.training.loop import evaluate
 from diffusiongemma.training.loop import train
 from diffusiongemma.training.metrics import quiet_orbax_logs
@@ -30,7 +30,7 @@ __all__ = [
     "config_mismatches",
     "create_train_state",
     "evaluate",
-    "evaluate_params",
+    "latest_step",
     "learning_rate_schedule",
     "load_params",
     "make_eval_step",

@@ -123,6 +123,18 @@ def abstract_with_sharding(tree, sharding):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
 
 
+def saved_steps(workdir: os.PathLike | str) -> list[int]:
+  """The steps of the checkpoints in `workdir/checkpoints`, ascending (empty when there are none)."""
+  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+  return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+
+
+def latest_step(workdir: os.PathLike | str) -> int | None:
+  """The newest checkpoint's step in `workdir/checkpoints`, or None."""
+  steps = saved_steps(workdir)
+  return steps[-1] if steps else None
+
+
 def load_params(workdir: os.PathLike | str, *, step: int | None = None, shardings=None) -> tuple[Any, int]:
   """(variables `{'params': ...}`, step) of the checkpoint at `step` (default: the latest) in
   `workdir/checkpoints`, reading only the parameters: no optimizer or config is rebuilt, so any code
@@ -133,7 +145,7 @@ def load_params(workdir: os.PathLike | str, *, step: int | None = None, sharding
   device. Dtypes are those saved (float32 master weights unless the config says otherwise).
   """
   directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
-  steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
+  steps = saved_steps(workdir)
   if not steps:
     raise FileNotFoundError(f"No checkpoints in {str(directory)!r}: train first (scripts/train.py).")
   step = steps[-1] if step is None else int(step)

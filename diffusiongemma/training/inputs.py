@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from diffusiongemma import build
 from diffusiongemma import data as data_lib
 from diffusiongemma import parallel
 from diffusiongemma.diffusion import loss as loss_lib
@@ -21,30 +22,13 @@ from diffusiongemma.diffusion import noise as noise_lib
 from diffusiongemma.model import ModelConfig
 from diffusiongemma.training import step as step_lib
 
-COMPUTE_DTYPES = ("float32", "bfloat16")
 CACHE_DIRNAME = "data_cache"
 
 
-def model_config(config) -> ModelConfig:
-  """`config.model` with the compute dtype of `config.train` (parameters stay in param_dtype)."""
-  cfg = ModelConfig.from_dict(config.model)
-  dtype = config.train.compute_dtype
-  if dtype not in COMPUTE_DTYPES:
-    raise ValueError(f"Unknown config.train.compute_dtype {dtype!r}; expected one of {COMPUTE_DTYPES}.")
-  return cfg.replace(dtype=dtype)
-
-
-def loss_config(config, model_cfg: ModelConfig) -> loss_lib.LossConfig:
-  """`config.diffusion` as a `LossConfig`, with its noise checked against the model vocabulary."""
-  cfg = loss_lib.LossConfig.from_dict(config.diffusion)
-  noise_lib.make_noise(cfg.noise, model_cfg.vocab_size, cfg.mask_token_id)
-  return cfg
-
-
 def validate(config) -> tuple[ModelConfig, loss_lib.LossConfig]:
-  """Checks every section training reads; returns the model and loss configs."""
-  model_cfg = model_config(config)
-  loss_cfg = loss_config(config, model_cfg)
+  """Checks every section training reads; returns the model and loss configs (`build`'s)."""
+  model_cfg = build.model_config(config)
+  loss_cfg = build.loss(config)
   train = config.train
   if train.nan_policy not in step_lib.NAN_POLICIES:
     raise ValueError(f"Unknown config.train.nan_policy {train.nan_policy!r}; expected one of "
@@ -79,19 +63,14 @@ def validate(config) -> tuple[ModelConfig, loss_lib.LossConfig]:
   return model_cfg, loss_cfg
 
 
-def _mask_token(model_cfg: ModelConfig, loss_cfg: loss_lib.LossConfig) -> int | None:
-  noise = noise_lib.make_noise(loss_cfg.noise, model_cfg.vocab_size, loss_cfg.mask_token_id)
-  return noise.mask_token_id
-
-
-def get_tokenizer(config, workdir, model_cfg: ModelConfig,
-                  loss_cfg: loss_lib.LossConfig) -> data_lib.Tokenizer:
+def get_tokenizer(config, workdir, model_cfg: ModelConfig, noise: noise_lib.NoiseProcess) -> data_lib.Tokenizer:
   """The configured tokenizer, or `workdir/tokenizer.model` (trained on the train split if missing).
 
-  With masked noise the mask token must be outside the tokenizer: a tokenizer trained here gets at
-  most `mask_token_id` pieces. Only process 0 trains it; the others wait for the file.
+  The token the noise must never produce (masked noise: the mask token) must be outside the tokenizer:
+  a tokenizer trained here gets at most that many pieces. Only process 0 trains it; the others wait for
+  the file.
   """
-  mask = _mask_token(model_cfg, loss_cfg)
+  mask = noise.never_token
   vocab_size = int(config.data.vocab_size)
   if mask is not None and not config.data.tokenizer_path:
     vocab_size = min(vocab_size, mask)
@@ -136,16 +115,6 @@ def make_dataset(config, workdir, tokenizer, model_cfg: ModelConfig, split: str,
       batch_size=config.train.batch_size // shard_count, seed=config.train.seed,
       train=split == "train", shard_index=shard_index, shard_count=shard_count,
       cache_dir=pathlib.Path(workdir) / CACHE_DIRNAME)
-
-
-def make_mesh(config) -> jax.sharding.Mesh:
-  """The (data, fsdp, expert, tensor) mesh of `config.mesh` over every device of every process."""
-  return parallel.make_mesh(config.mesh)
-
-
-def batch_sharding(mesh) -> NamedSharding:
-  """Every batch array ([B] or [B, L]) split along its first axis over the batch axes of `mesh`."""
-  return parallel.batch_sharding(mesh, ndim=1)
 
 
 def to_global(batch, sharding: NamedSharding):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pathlib
 import signal
 import threading
@@ -30,10 +29,11 @@ import time
 from absl import logging
 import jax
 
+from diffusiongemma import _files
 from diffusiongemma import parallel
+from diffusiongemma.evaluation import validation
 from diffusiongemma.model import DiffusionGemma
 from diffusiongemma.training import checkpoint as ckpt_lib
-from diffusiongemma.training import evaluation
 from diffusiongemma.training import inputs
 from diffusiongemma.training import metrics as metrics_lib
 from diffusiongemma.training import optim
@@ -66,10 +66,7 @@ class _Preemption:
 def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
   if not parallel.is_main_process():
     return
-  path = workdir / ckpt_lib.CONFIG_FILENAME
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(config_json, indent=2, sort_keys=True), encoding="utf-8")
-  os.replace(tmp, path)
+  _files.atomic_write(workdir / ckpt_lib.CONFIG_FILENAME, json.dumps(config_json, indent=2, sort_keys=True))
 
 
 @functools.lru_cache(maxsize=4)
@@ -81,14 +78,14 @@ def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh, ru
   train = dict(optimizer_items)
   optimizer = optim.make_optimizer(train)
   schedule = optim.learning_rate_schedule(train)
-  batch_sharding = inputs.batch_sharding(mesh)
+  batch_sharding = parallel.batch_sharding(mesh, ndim=1)
   abstract_state = state_lib.abstract_train_state(model, optimizer, seed=seed)
   shardings = state_lib.state_shardings(model, optimizer, mesh, seed=seed, rules=rules)
   init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=shardings)
   train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
                                         schedule=schedule, state_sharding=shardings,
                                         batch_sharding=batch_sharding)
-  eval_step = step_lib.make_eval_step(model, evaluation.eval_loss_config(loss_cfg),
+  eval_step = step_lib.make_eval_step(model, validation.eval_loss_config(loss_cfg),
                                       num_canvases=num_canvases, params_sharding=shardings.params,
                                       batch_sharding=batch_sharding)
   return model, optimizer, schedule, abstract_state, shardings, init_fn, train_step, eval_step
@@ -102,8 +99,8 @@ class _Setup:
     self.config_json = ckpt_lib.config_to_json(config)
     self.model_cfg, self.loss_cfg = inputs.validate(config)
     self.num_canvases = config.data.num_canvases
-    self.mesh = inputs.make_mesh(config)
-    self.batch_sharding = inputs.batch_sharding(self.mesh)
+    self.mesh = parallel.make_mesh(config.mesh)
+    self.batch_sharding = parallel.batch_sharding(self.mesh, ndim=1)
     optimizer_items = tuple((k, config.train[k]) for k in optim.OPTIMIZER_FIELDS)
     (self.model, self.optimizer, self.schedule, self.abstract_state, self.state_shardings, self.init_fn,
      self.train_step, self.eval_step) = _programs(
@@ -118,9 +115,9 @@ class _Setup:
     return TrainState(**state), data_state, meta
 
   def evaluate(self, config, params, val_dataset) -> dict:
-    return evaluation.evaluate_params(
+    return validation.evaluate_params(
         self.eval_step, params, iter(val_dataset), num_batches=config.train.eval_batches,
-        noise=self.loss_cfg.noise, to_global=lambda b: inputs.to_global(b, self.batch_sharding))
+        elbo=self.loss_cfg.noise.loss_is_elbo, to_global=lambda b: inputs.to_global(b, self.batch_sharding))
 
 
 def train(config, workdir) -> TrainState:
@@ -138,7 +135,7 @@ def train(config, workdir) -> TrainState:
                                        async_save=tc.async_checkpointing)
   try:
     start_step = checkpointer.check_config(setup.config_json)
-    tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg)
+    tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
     train_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "train")
     val_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "validation")
     train_iter = iter(train_ds)
@@ -275,7 +272,7 @@ def evaluate(config, workdir, *, step: int | None = None, num_batches: int | Non
     state, _, _ = setup.restore(checkpointer, step)
   finally:
     checkpointer.close()
-  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg)
+  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
   val_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "validation")
   if num_batches is not None:
     config = config.copy_and_resolve_references()

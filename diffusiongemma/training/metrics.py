@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 
 from absl import logging
 
+from diffusiongemma import _files
+
 METRICS_FILENAME = "metrics.jsonl"
 
 
@@ -111,9 +113,7 @@ def truncate_metrics(workdir: os.PathLike | str, step: int) -> None:
   records = read_metrics(workdir)
   kept = [r for r in records if r["step"] <= step]
   if len(kept) != len(records):
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    _files.atomic_write(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MeanAccumulator:
@@ -148,11 +148,9 @@ class Progress:
     self._step, self._time = start_step, time.perf_counter()
     self.tokens_per_second = 0.0
 
-  def pause(self) -> float:
-    return time.perf_counter()
-
   def resume(self, paused_at: float) -> None:
-    """Excludes the time since `pause()` (evaluation, checkpointing) from the throughput."""
+    """Excludes the time since `paused_at` (a `time.perf_counter()`: evaluation, checkpointing) from the
+    throughput."""
     self._time += time.perf_counter() - paused_at
 
   def restart(self, step: int) -> None:

@@ -1,0 +1,51 @@
+"""Our parameter checkpoints in orbax, and the model config saved beside them.
+
+An orbax params checkpoint is a folder with `params/` (the `{'params': ...}` variables, any dtype) and
+`model_config.json` (the `ModelConfig`); `scripts/convert.py` writes one from a transformers folder and
+reads one back to export it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+
+from diffusiongemma.convert import hf
+from diffusiongemma.model import ModelConfig
+from diffusiongemma.training import checkpoint
+
+PARAMS_DIRNAME = "params"
+MODEL_CONFIG_FILENAME = "model_config.json"
+
+
+def hf_to_orbax(hf_dir: os.PathLike | str, out_dir: os.PathLike | str, *, dtype=None) -> ModelConfig:
+  """A transformers folder as `out_dir/params` and `out_dir/model_config.json`; returns the model config."""
+  cfg, params = hf.load_hf(hf_dir, dtype=dtype)
+  out_dir = pathlib.Path(out_dir).absolute()
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(out_dir / PARAMS_DIRNAME, {"params": params})
+  checkpointer.wait_until_finished()
+  (out_dir / MODEL_CONFIG_FILENAME).write_text(json.dumps(cfg.to_dict(), indent=2), encoding="utf-8")
+  return cfg
+
+
+def load_orbax(orbax_dir: os.PathLike | str, cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
+  """(model config, variables) of an orbax params checkpoint, on the first local device; `cfg`
+  overrides the saved model config."""
+  orbax_dir = pathlib.Path(orbax_dir).absolute()
+  if not (orbax_dir / PARAMS_DIRNAME).is_dir():
+    raise FileNotFoundError(f"{str(orbax_dir)!r} is not an orbax params checkpoint: no {PARAMS_DIRNAME}/ "
+                            "(write one with scripts/convert.py --to_orbax).")
+  if cfg is None:
+    path = orbax_dir / MODEL_CONFIG_FILENAME
+    if not path.is_file():
+      raise FileNotFoundError(f"No {str(path)!r} to read the model config from: pass a config.")
+    cfg = ModelConfig.from_dict(json.loads(path.read_text()))
+  checkpointer = ocp.StandardCheckpointer()
+  saved = checkpointer.metadata(orbax_dir / PARAMS_DIRNAME).item_metadata.tree
+  target = checkpoint.abstract_with_sharding(saved, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  return cfg, checkpointer.restore(orbax_dir / PARAMS_DIRNAME, target)

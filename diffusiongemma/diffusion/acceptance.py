@@ -1,0 +1,94 @@
+"""Acceptance rules: which of a denoising step's sampled tokens are kept.
+
+A rule is a small frozen object called as `rule(stats, eligible) -> accepted [B, C] bool`, where `stats`
+are the step's per-position statistics of the temperature-scaled distribution (`TokenStats`) and
+`eligible` [B, C] marks the positions that may still change (all of them for uniform noise; the
+still-masked ones for masked noise). Every rule accepts at least one eligible position of each row that
+has one; ties are broken towards the lower position (stable sorts). A new rule is a new class; config
+strings map to them in `build.ACCEPTANCE_RULES`.
+
+Axes: B batch, C canvas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+
+@flax.struct.dataclass
+class TokenStats:
+  """Per-position statistics of one step's tempered distribution softmax(logits / T): each [B, C]."""
+
+  entropy: Array  # float32, nats
+  confidence: Array  # float32, the top probability
+  argmax: Array  # int32
+  sample: Array  # int32, one draw per position
+
+
+class AcceptanceRule(Protocol):
+
+  def __call__(self, stats: TokenStats, eligible: Array) -> Array: ...
+
+
+def _scatter_sorted(order: Array, sorted_mask: Array) -> Array:
+  """The inverse of taking `order` along the last axis: mask[b, order[b, i]] = sorted_mask[b, i]."""
+  rows = jnp.arange(order.shape[0])[:, None]
+  return jnp.zeros(sorted_mask.shape, bool).at[rows, order].set(sorted_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class EntropyBound:
+  """The released rule (EB-sampler): the k lowest-entropy eligible positions with
+  sum(entropy_1..k) - max(entropy_1..k) <= bound.
+
+  Sorted ascending, max(entropy_1..k) is the k-th entropy, so the left side is the cumulative sum of the k - 1
+  smaller ones: non-decreasing in k, so the accepted set is a prefix and always holds the first one.
+  """
+
+  bound: float = 0.1
+
+  def __call__(self, stats: TokenStats, eligible: Array) -> Array:
+    token_entropy = stats.entropy
+    key = jnp.where(eligible, token_entropy, jnp.inf)  # [B, C]
+    order = jnp.argsort(key, axis=-1, stable=True)
+    sorted_eligible = jnp.take_along_axis(eligible, order, axis=-1)
+    sorted_entropy = jnp.where(sorted_eligible, jnp.take_along_axis(token_entropy, order, axis=-1), 0.0)
+    cumulative = jnp.cumsum(sorted_entropy, axis=-1)
+    selected = (cumulative - sorted_entropy <= self.bound) & sorted_eligible
+    return _scatter_sorted(order, selected)
+
+
+@dataclasses.dataclass(frozen=True)
+class Confidence:
+  """Eligible positions whose top probability is >= threshold (Fast-dLLM); else the single most confident."""
+
+  threshold: float = 0.9
+
+  def __call__(self, stats: TokenStats, eligible: Array) -> Array:
+    confidence = stats.confidence
+    above = (confidence >= self.threshold) & eligible
+    key = jnp.where(eligible, confidence, -jnp.inf)
+    best = jnp.argmax(key, axis=-1)  # [B]; the first of equal maxima
+    top1 = (jnp.arange(confidence.shape[-1])[None] == best[:, None]) & eligible
+    return jnp.where(above.any(-1, keepdims=True), above, top1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopCount:
+  """The `count` most confident eligible positions (LLaDA-style; all eligible ones when fewer remain)."""
+
+  count: int = 1
+
+  def __call__(self, stats: TokenStats, eligible: Array) -> Array:
+    key = jnp.where(eligible, -stats.confidence, jnp.inf)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    sorted_eligible = jnp.take_along_axis(eligible, order, axis=-1)
+    selected = (jnp.arange(key.shape[-1])[None] < self.count) & sorted_eligible
+    return _scatter_sorted(order, selected)
