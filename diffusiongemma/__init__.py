@@ -1,6 +1,6 @@
 """diffusiongemma: DiffusionGemma block diffusion in JAX/Flax."""
 
-from diffusiongemma import convert, data
+from diffusiongemma import chat, convert, data
 from diffusiongemma import model
 from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
 from diffusiongemma import sampling
@@ -10,7 +10,7 @@ from diffusiongemma import parallel
 from diffusiongemma.sampling import Sampler, SamplerConfig
 
 __all__ = [
-    "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "convert", "data", "model",
+    "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "chat", "convert", "data", "model",
     "sampling",
     "diffusion",
     "training",
