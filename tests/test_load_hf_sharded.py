@@ -28,6 +28,7 @@ def test_bf16_sharded_load_onto_8_devices(tmp_path):
 def _main(folder: pathlib.Path):
   import tracemalloc  # pylint: disable=import-outside-toplevel
 
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -44,7 +45,7 @@ def _main(folder: pathlib.Path):
   shapes = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 2), jnp.int32),
                           jax.ShapeDtypeStruct((1, cfg.canvas_length), jnp.int32))["params"]
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), dg.convert.hf.nn.unbox(shapes))
+  params = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), nn.unbox(shapes))
   dg.convert.save_hf(cfg, params, folder, max_shard_bytes=16 * 2**20)
   shards = sorted(folder.glob("*.safetensors"))
   largest_shard = max(f.stat().st_size for f in shards)

@@ -155,8 +155,8 @@ class _Splitter:
 
   def clone(self) -> _Splitter:
     other = _Splitter(self.stops, False)
-    other.state, other.header, other.thought, other.text = self.state, self.header, list(self.thought), list(
-        self.text)
+    other.state, other.header = self.state, self.header
+    other.thought, other.text = list(self.thought), list(self.text)
     return other
 
   def add_text(self, piece: str) -> None:
