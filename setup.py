@@ -16,6 +16,7 @@ setuptools.setup(
         "orbax-checkpoint==0.12.8",
         "grain==0.2.18",
         "sentencepiece==0.2.3",
+        "tokenizers",  # a checkpoint's tokenizer.json
         "ml-collections==1.1.0",
         "absl-py",
         "numpy",

@@ -1,6 +1,7 @@
 """diffusiongemma: DiffusionGemma block diffusion in JAX/Flax."""
 
 from diffusiongemma import build
+from diffusiongemma import chat
 from diffusiongemma import convert
 from diffusiongemma import data
 from diffusiongemma import diffusion
@@ -13,6 +14,6 @@ from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
 from diffusiongemma.sampling import ARSampler, Sampler, SamplerConfig
 
 __all__ = [
-    "ARSampler", "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "build", "convert",
-    "data", "diffusion", "evaluation", "model", "parallel", "sampling", "training",
+    "ARSampler", "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "build", "chat",
+    "convert", "data", "diffusion", "evaluation", "model", "parallel", "sampling", "training",
 ]

@@ -20,11 +20,14 @@ from typing import Any
 from absl import logging
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from diffusiongemma import parallel
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
+from diffusiongemma.model.transformer import DiffusionGemma
 
 _DECODER = "model.decoder."
 _ENCODER = "model.encoder.language_model."
@@ -171,7 +174,9 @@ class _Checkpoint:
     else:
       files = sorted(path.glob("*.safetensors"))
       if not files:
-        raise FileNotFoundError(f"No *.safetensors files in {path}.")
+        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
+        raise FileNotFoundError(f"{path} holds no weights: no *.safetensors files"
+                                + (f" (only {others}; convert them to safetensors)." if others else "."))
       weight_map = {}
       for f in files:
         with safe_open(f, "numpy") as handle:
@@ -181,6 +186,8 @@ class _Checkpoint:
   def get(self, key: str) -> np.ndarray:
     name = self.weight_map[key]
     if name not in self._handles:
+      if not (self.path / name).is_file():
+        raise FileNotFoundError(f"{self.path}/model.safetensors.index.json puts {key} in {name}, which is missing.")
       self._handles[name] = safe_open(self.path / name, "numpy")
     return self._handles[name].get_tensor(key)
 
@@ -188,17 +195,20 @@ class _Checkpoint:
 def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None, **config_overrides):
   """Reads a transformers DiffusionGemma checkpoint folder into `(ModelConfig, params)`.
 
-  Tensors are streamed one at a time, so the checkpoint is never whole in host memory. They keep the
-  checkpoint's dtype unless `dtype` is given. `shardings` places each tensor as soon as it is read: a tree
-  of `jax.sharding.Sharding`s shaped like the params (e.g. `dg.parallel.param_shardings`), or a callable
-  `(cfg) -> tree`; without it the params are numpy arrays. `config_overrides` (e.g. `moe_impl='dense'`)
-  apply to the ModelConfig built from config.json.
+  Tensors are streamed one at a time: each is read once, cast to `dtype` (default: the checkpoint's own)
+  and, with `shardings`, placed at once into its sharding (each device receives only its slice), so the
+  checkpoint is never whole in host memory, let alone in float32: host staging peaks at about one tensor
+  in the checkpoint's dtype plus its cast copy. `shardings`: a tree of `jax.sharding.Sharding`s shaped
+  like the params (e.g. `dg.parallel.param_shardings`), or a callable `(cfg) -> tree` such as
+  `mesh_shardings()` (every local device); without it the params are numpy arrays.
+  `config_overrides` (e.g. `moe_impl='dense'`) apply to the ModelConfig built from config.json.
   """
   path = pathlib.Path(path)
   config_file = path / "config.json"
   if not config_file.exists():
     raise FileNotFoundError(f"{path} is not a transformers checkpoint folder: no config.json.")
   cfg = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+  dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
   if callable(shardings):
     shardings = shardings(cfg)
   ckpt = _Checkpoint(path)
@@ -210,9 +220,10 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
     if key is None:
       raise KeyError(f"Checkpoint {path} has no tensor {' or '.join(entry.keys)} (for {'/'.join(entry.path)}).")
     used.update(k for k in entry.keys if k in ckpt.weight_map)  # a tied copy counts as read
-    value = entry.to_ours(ckpt.get(key))
+    value = ckpt.get(key)
     if dtype is not None:
-      value = value.astype(dtype)
+      value = value.astype(dtype, copy=False)  # before the layout change, so any copy is the smaller one
+    value = entry.to_ours(value)
     target = entry.path
     if target[-1] in ("0", "1"):  # gating_einsum [2, F, D] = stack(gate, up)
       target, pair = target[:-1], halves.setdefault(target[:-1], {})
@@ -221,7 +232,7 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
         continue
       value = np.stack([halves.pop(target)["0"], pair["1"]])
     if shardings is not None:
-      value = jax.device_put(value, _get(shardings, target, leaf=True))
+      value = _place(value, _get(shardings, target, leaf=True))
     _set(params, target, value)
   skipped = sorted(k for k in ckpt.weight_map if k not in used)
   vision = [k for k in skipped if k.startswith(_SKIPPED_PREFIXES)]
@@ -231,6 +242,32 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   if unknown:
     logging.warning("load_hf: %d checkpoint tensors not used, e.g. %s", len(unknown), unknown[:5])
   return cfg, params
+
+
+def _place(value: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+  """A host array as a jax.Array in `sharding`: each addressable device gets its slice (works multi-process)."""
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def mesh_shardings(mesh: jax.sharding.Mesh | None = None, *, mesh_config: Mapping[str, int] | None = None,
+                   rules=None) -> Callable[[ModelConfig], Any]:
+  """A `shardings` argument for `load_hf`: `(cfg) -> NamedShardings` of cfg's parameters on a mesh.
+
+  The mesh is `mesh`, else `parallel.make_mesh(mesh_config)` over every local device (default
+  `{"tensor": -1}`: heads, feed-forward, expert feed-forward and vocabulary split over all of them); the
+  logical-axis `rules` default to `parallel.LOGICAL_RULES`. A dimension the mesh does not divide is
+  replicated (`parallel.param_specs`).
+  """
+  rules = parallel.LOGICAL_RULES if rules is None else rules
+
+  def build(cfg: ModelConfig):
+    target = mesh if mesh is not None else parallel.make_mesh(mesh_config or {"tensor": -1}, jax.local_devices())
+    model = DiffusionGemma(cfg)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), jax.ShapeDtypeStruct((1, 2), np.int32),
+                           jax.ShapeDtypeStruct((1, cfg.canvas_length), np.int32))["params"]
+    return parallel.param_shardings(boxed, target, rules)
+
+  return build
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:

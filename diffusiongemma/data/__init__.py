@@ -1,9 +1,12 @@
-"""Data: text corpora, the sentencepiece tokenizer, and grain pipelines of packed examples."""
+"""Data: text corpora, tokenizers (ours and a checkpoint's), and grain pipelines of packed examples."""
 
 from diffusiongemma.data.corpus import load_corpus
 from diffusiongemma.data.corpus import read_text_files
 from diffusiongemma.data.corpus import split_files
 from diffusiongemma.data.corpus import stdlib_files
+from diffusiongemma.data.hf_tokenizer import CheckpointTokenizer
+from diffusiongemma.data.hf_tokenizer import load_tokenizer
+from diffusiongemma.data.hf_tokenizer import TokenizerLike
 from diffusiongemma.data.pipeline import make_dataset
 from diffusiongemma.data.pipeline import tokenize_corpus
 from diffusiongemma.data.tokenizer import get_tokenizer
@@ -11,10 +14,13 @@ from diffusiongemma.data.tokenizer import Tokenizer
 from diffusiongemma.data.tokenizer import TOKENIZER_FILENAME
 
 __all__ = [
+    "CheckpointTokenizer",
     "TOKENIZER_FILENAME",
     "Tokenizer",
+    "TokenizerLike",
     "get_tokenizer",
     "load_corpus",
+    "load_tokenizer",
     "make_dataset",
     "read_text_files",
     "split_files",

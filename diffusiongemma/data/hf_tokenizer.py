@@ -1,0 +1,257 @@
+"""A transformers checkpoint's own tokenizer, and `load_tokenizer`: the right tokenizer for a folder.
+
+A released checkpoint ships `tokenizer.json` (read with the `tokenizers` library) and/or `tokenizer.model`
+(sentencepiece); `tokenizer_config.json` names its bos/eos/pad tokens. Gemma 4 marks its control tokens
+(`<|turn>`, `<turn|>`, `<|think|>`, `<|channel>`, ...) as *special added tokens* in tokenizer.json, so a
+control token written in text encodes to its single id, and decoding can keep or drop them. Both file
+kinds are held to that here: a control token that the file only lists as an ordinary piece is registered
+as a special token (same id), and the sentencepiece path splits text at control tokens before encoding.
+
+`TokenizerLike` is the minimal interface callers rely on (encode, decode, bos/eos/pad ids, vocab size);
+both this class and the project's sentencepiece `Tokenizer` (a training workdir's) satisfy it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
+
+from diffusiongemma.data import tokenizer as sp_tokenizer
+
+TOKENIZER_JSON = "tokenizer.json"
+TOKENIZER_MODEL = "tokenizer.model"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+
+# Gemma 4 control tokens the chat format and the image placeholders need.
+REQUIRED_CONTROL_TOKENS = ("<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|image|>",
+                           "<|image>", "<image|>")
+# Looked up when the checkpoint has them (audio placeholders, tool-use tokens).
+OPTIONAL_CONTROL_TOKENS = ("<|audio|>", "<|audio>", "<audio|>", "<|tool>", "<tool|>", "<|tool_call>",
+                           "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>')
+_DEFAULT_NAMED = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+
+
+@runtime_checkable
+class TokenizerLike(Protocol):
+  """What sampling and chat code needs of a tokenizer, whichever kind it is."""
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def bos_id(self) -> int: ...
+
+  @property
+  def eos_id(self) -> int: ...
+
+  @property
+  def pad_id(self) -> int: ...
+
+  def encode(self, text: str) -> list[int]: ...
+
+  def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class CheckpointTokenizer:
+  """The tokenizer of a transformers checkpoint folder: `tokenizer.json`, else `tokenizer.model`.
+
+  `encode(text)` adds no bos unless `add_bos=True`; control tokens written in the text become their ids.
+  `decode(ids)` drops special tokens (bos, eos, pad, control tokens) unless `skip_special_tokens=False`.
+  `control_ids` maps each Gemma 4 control token found to its id (all of `REQUIRED_CONTROL_TOKENS`, any
+  of `OPTIONAL_CONTROL_TOKENS`); `special_tokens` maps every special id to its text.
+  """
+
+  def __init__(self, folder: os.PathLike | str):
+    self.folder = pathlib.Path(folder)
+    if not self.folder.is_dir():
+      raise FileNotFoundError(f"Tokenizer folder {str(self.folder)!r} does not exist.")
+    json_file, model_file = self.folder / TOKENIZER_JSON, self.folder / TOKENIZER_MODEL
+    if json_file.is_file():
+      self.path = json_file
+      self._backend = _JsonBackend(json_file)
+    elif model_file.is_file():
+      self.path = model_file
+      self._backend = _SentencePieceBackend(model_file)
+    else:
+      raise FileNotFoundError(f"{self.folder} has no tokenizer: neither {TOKENIZER_JSON} nor {TOKENIZER_MODEL}.")
+    named = _named_tokens(self.folder / TOKENIZER_CONFIG)
+    self._named = {name: self._require(text, f"{name} {text!r}") for name, text in named.items()}
+    self.control_ids: dict[str, int] = {t: self._require(t, "control token") for t in REQUIRED_CONTROL_TOKENS}
+    self.control_ids.update({t: i for t in OPTIONAL_CONTROL_TOKENS
+                             if (i := self._backend.token_to_id(t)) is not None})
+    self._backend.mark_special(list(named.values()) + list(self.control_ids))
+    self.special_tokens: dict[int, str] = self._backend.special_tokens()
+    for text in self.control_ids:  # e.g. a sentencepiece piece that its model does not treat as one
+      if self.encode(text) != [self.control_ids[text]]:
+        raise ValueError(f"Control token {text!r} of {self.path} does not encode to its single id "
+                         f"{self.control_ids[text]} (got {self.encode(text)}).")
+
+  def _require(self, text: str, what: str) -> int:
+    token_id = self._backend.token_to_id(text)
+    if token_id is None:
+      raise ValueError(f"The tokenizer {self.path} has no {what} {text!r}; a Gemma 4 checkpoint's tokenizer "
+                       f"needs {list(REQUIRED_CONTROL_TOKENS)} and bos/eos/pad.")
+    return token_id
+
+  @property
+  def vocab_size(self) -> int:
+    return self._backend.vocab_size
+
+  @property
+  def bos_id(self) -> int:
+    return self._named["bos_token"]
+
+  @property
+  def eos_id(self) -> int:
+    return self._named["eos_token"]
+
+  @property
+  def pad_id(self) -> int:
+    return self._named["pad_token"]
+
+  def token_id(self, text: str) -> int:
+    """The id of a single token given by its text (e.g. '<turn|>'); a ValueError if there is none."""
+    token_id = self._backend.token_to_id(text)
+    if token_id is None:
+      raise ValueError(f"The tokenizer {self.path} has no token {text!r}.")
+    return token_id
+
+  def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+    if not isinstance(text, str):
+      raise TypeError(f"encode takes a str, got {type(text).__name__}.")
+    ids = self._backend.encode(text)
+    return [self.bos_id] + ids if add_bos else ids
+
+  def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    return self._backend.decode([int(i) for i in ids], skip_special_tokens)
+
+  def __repr__(self):
+    return f"CheckpointTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+class _JsonBackend:
+  """`tokenizers.Tokenizer` from tokenizer.json; encoding adds nothing (no post-processor bos)."""
+
+  def __init__(self, path: pathlib.Path):
+    import tokenizers  # pylint: disable=import-outside-toplevel
+    self._tokenizers = tokenizers
+    self._tok = tokenizers.Tokenizer.from_file(str(path))
+
+  @property
+  def vocab_size(self) -> int:
+    return self._tok.get_vocab_size(with_added_tokens=True)
+
+  def token_to_id(self, text: str) -> int | None:
+    return self._tok.token_to_id(text)
+
+  def mark_special(self, texts: list[str]) -> None:
+    """Registers as special added tokens those of `texts` that are not already (their ids are kept)."""
+    added = {t.content: t for t in self._tok.get_added_tokens_decoder().values()}
+    missing = [t for t in texts if t not in added or not added[t].special]
+    if missing:
+      self._tok.add_special_tokens([self._tokenizers.AddedToken(t, special=True, normalized=False)
+                                    for t in missing])
+
+  def special_tokens(self) -> dict[int, str]:
+    return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class _SentencePieceBackend:
+  """A sentencepiece model; text is split at special tokens first, so that each becomes its one id."""
+
+  def __init__(self, path: pathlib.Path):
+    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+    self._sp = spm.SentencePieceProcessor(model_file=str(path))
+    self._special: dict[str, int] = {}
+    self._pattern = None
+
+  @property
+  def vocab_size(self) -> int:
+    return self._sp.vocab_size()
+
+  def token_to_id(self, text: str) -> int | None:
+    token_id = self._sp.piece_to_id(text)
+    return None if token_id == self._sp.unk_id() and text != self._sp.id_to_piece(token_id) else token_id
+
+  def mark_special(self, texts: list[str]) -> None:
+    self._special.update({t: self._sp.piece_to_id(t) for t in texts})
+    self._special.update({self._sp.id_to_piece(i): i for i in range(self._sp.vocab_size())
+                          if self._sp.is_control(i)})
+    longest_first = sorted(self._special, key=len, reverse=True)
+    self._pattern = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+  def special_tokens(self) -> dict[int, str]:
+    return {i: t for t, i in self._special.items()}
+
+  def encode(self, text: str) -> list[int]:
+    ids = []
+    for i, part in enumerate(self._pattern.split(text)):
+      if i % 2:
+        ids.append(self._special[part])
+      elif part:
+        ids.extend(self._sp.encode(part))
+    return ids
+
+  def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+    special = self.special_tokens()
+    out, run = [], []
+    for i in ids:
+      if i in special:
+        out.append(self._sp.decode(run))
+        run = []
+        if not skip_special_tokens:
+          out.append(special[i])
+      else:
+        run.append(i)
+    out.append(self._sp.decode(run))
+    return "".join(out)
+
+
+def _named_tokens(config_file: pathlib.Path) -> dict[str, str]:
+  """bos/eos/pad token texts from tokenizer_config.json (a string or an AddedToken dict), else Gemma's."""
+  named = dict(_DEFAULT_NAMED)
+  if config_file.is_file():
+    config = json.loads(config_file.read_text())
+    for name in named:
+      value = config.get(name)
+      if isinstance(value, Mapping):
+        value = value.get("content")
+      if isinstance(value, str):
+        named[name] = value
+  return named
+
+
+def load_tokenizer(folder: os.PathLike | str) -> TokenizerLike:
+  """The tokenizer for a model folder, whichever kind it is.
+
+  A training workdir (its config.json, written by training, has `model` and `data` sections): the
+  project's sentencepiece `Tokenizer`, from `config.data.tokenizer_path` or `workdir/tokenizer.model`.
+  A transformers checkpoint folder (tokenizer.json, tokenizer_config.json, or a config.json that is not a
+  training config): `CheckpointTokenizer`.
+  """
+  folder = pathlib.Path(folder)
+  if not folder.is_dir():
+    raise FileNotFoundError(f"{str(folder)!r} is not a folder (expected a checkpoint folder or a workdir).")
+  config_file = folder / "config.json"
+  config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+  if isinstance(config.get("model"), Mapping) and isinstance(config.get("data"), Mapping):
+    path = pathlib.Path(config["data"].get("tokenizer_path") or folder / TOKENIZER_MODEL)
+    if not path.is_file():
+      raise FileNotFoundError(f"The training workdir {folder} has no tokenizer at {path}.")
+    return sp_tokenizer.Tokenizer(path)
+  if config or any((folder / f).is_file() for f in (TOKENIZER_JSON, TOKENIZER_CONFIG)):
+    return CheckpointTokenizer(folder)
+  if (folder / TOKENIZER_MODEL).is_file():
+    return sp_tokenizer.Tokenizer(folder / TOKENIZER_MODEL)
+  raise FileNotFoundError(f"{folder} has no tokenizer: none of {TOKENIZER_JSON}, {TOKENIZER_MODEL}, or a "
+                          "training config.json naming one.")
