@@ -1,5 +1,6 @@
-"""Data: text corpora, the sentencepiece tokenizer, and grain pipelines of packed examples."""
+"""Data: text corpora, the sentencepiece tokenizer, grain pipelines of packed examples, images and video."""
 
+from diffusiongemma.data import images
 from diffusiongemma.data.corpus import load_corpus
 from diffusiongemma.data.corpus import read_text_files
 from diffusiongemma.data.corpus import split_files
@@ -12,6 +13,7 @@ from diffusiongemma.data.tokenizer import Tokenizer
 __all__ = [
     "Tokenizer",
     "get_tokenizer",
+    "images",
     "load_corpus",
     "make_dataset",
     "read_text_files",
