@@ -53,7 +53,7 @@ def _text(seed, length):
 def test_preprocess_pads_to_the_budget_and_counts_soft_tokens():
   image = images.preprocess(_pixels(0, 40, 90), 70, patch_size=PATCH)
   assert image.pixel_values.shape == (630, 3 * PATCH * PATCH) and image.pixel_values.dtype == np.float32
-  assert image.num_soft_tokens == 60  # 40x90 -> 48x108 pixels -> 12x27 patches -> 4x9 soft tokens... x 9/9
+  assert image.num_soft_tokens == 60  # 40x90 pixels -> 60x144 -> 15x36 patches of 4 -> 540 / 3^2
   real = image.position_ids[:, 0] >= 0
   assert real.sum() == image.num_soft_tokens * 9 and not real[real.sum():].any()  # padding comes last
   assert (image.pixel_values[~real] == 0).all() and (image.position_ids[~real] == -1).all()

@@ -280,11 +280,11 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id, bos_token_id=cfg.bos_id)
   hf_config = dict(architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma",
                    canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
-                   vision_config=dict(_PLACEHOLDER_VISION))
+                   vision_config=dict(_PLACEHOLDER_VISION), image_token_id=cfg.image_id,
+                   boi_token_id=cfg.begin_image_id, eoi_token_id=cfg.end_image_id)
   if cfg.vision is not None:
     text["use_bidirectional_attention"] = "vision" if cfg.vision.bidirectional_attention else None
-    hf_config.update(vision_config=_vision.config_to_hf(cfg.vision), image_token_id=cfg.image_id,
-                     boi_token_id=cfg.begin_image_id, eoi_token_id=cfg.end_image_id)
+    hf_config["vision_config"] = _vision.config_to_hf(cfg.vision)
   return hf_config
 
 

@@ -23,6 +23,7 @@ has no video input of its own: frames go in as images, in the Gemma 4 processor'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
@@ -237,12 +238,13 @@ def sample_video(video: Any, *, fps: float | None = None, budget: int = VIDEO_BU
                      f"{max_seconds:g} s are supported.")
   wanted = [int(i) for i in frame_indices(num_frames, fps)]
   wanted_set, picked = set(wanted), {}
-  for index, frame in enumerate(frames):
-    if index in wanted_set:
-      frame = frame if isinstance(frame, PIL.Image.Image) else np.asarray(frame)
-      picked[index] = preprocess(frame, budget, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
-    if index >= wanted[-1]:
-      break
+  with contextlib.closing(frames) if hasattr(frames, "close") else contextlib.nullcontext():
+    for index, frame in enumerate(frames):
+      if index in wanted_set:
+        frame = frame if isinstance(frame, PIL.Image.Image) else np.asarray(frame)
+        picked[index] = preprocess(frame, budget, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
+      if index >= wanted[-1]:
+        break
   missing = [i for i in wanted if i not in picked]
   if missing:
     raise ValueError(f"The video ended before frames {missing[:5]} (it announced {num_frames} frames).")

@@ -20,6 +20,15 @@ def _positive_ints(config, fields) -> None:
       raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: must be a positive integer.")
 
 
+def _from_dict(cls, values):
+  values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ValueError(f"Unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}.")
+  return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionConfig:
   """Dimensions of the Gemma 4 vision encoder (`model/vision.py`); defaults are the released 26B-A4B's.
@@ -69,12 +78,7 @@ class VisionConfig:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "VisionConfig":
-    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"Unknown VisionConfig fields {unknown}; known fields are {sorted(known)}.")
-    return cls(**values)
+    return _from_dict(cls, values)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -189,12 +193,7 @@ class ModelConfig:
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
     """Builds a config from a mapping (e.g. `config.model` of an ml_collections file), naming unknown keys."""
-    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"Unknown ModelConfig fields {unknown}; known fields are {sorted(known)}.")
-    return cls(**values)
+    return _from_dict(cls, values)
 
   def to_dict(self) -> dict[str, Any]:
     values = dataclasses.asdict(self)

@@ -216,9 +216,9 @@ def num_soft_tokens(config: VisionConfig, positions: Array) -> Array:
 def check_placeholders(config: VisionConfig, is_image: Array, positions: Array) -> None:
   """Raises if the prompt's image placeholders and the images' soft tokens differ in number.
 
-  Only for concrete arrays (a call outside `jit`); under `jit` the counts cannot be read, and a mismatch
-  leaves the surplus placeholders with the last soft token (check with this, or build the prompt with
-  `data.images.expand_image_placeholders`, which checks).
+  Only for concrete arrays (a call outside `jit`); under `jit` the counts cannot be read and a mismatch
+  goes unnoticed (surplus placeholders get an arbitrary soft token): build prompts with
+  `data.images.expand_image_placeholders`, which checks.
   """
   if isinstance(is_image, jax.core.Tracer) or isinstance(positions, jax.core.Tracer):
     return
