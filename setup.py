@@ -24,10 +24,13 @@ setuptools.setup(
         "tqdm",
         "tensorboardX",
         "matplotlib",
+        "pillow",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
+        # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.
+        "video": ["imageio>=2.38", "av>=14"],
     },
 )

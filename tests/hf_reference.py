@@ -3,6 +3,14 @@
 Imported by tests (it contains none). `make_tiny_hf` builds and saves a tiny random
 `DiffusionGemmaForBlockDiffusion`; the other helpers run it the way `generate` does and return numpy.
 
+Images (tests/test_vision.py): `make_tiny_hf(..., vision_config={...}, image_token_ids=(image, boi, eoi),
+use_bidirectional_attention="vision")` gives a tiny vision tower whose weights are re-drawn too (a
+separate seeded generator, so the text weights are those of the same call without it);
+`encoder_logits` / `decoder_logits` take `pixel_values` and `image_position_ids` and encode the prompt
+as `generate` does on its first canvas: masks from `create_masks_for_generate` with the processor's
+`mm_token_type_ids` (1 on image tokens), then the encoder with the images. `image_features` is
+`get_image_features(...).pooler_output` (the valid soft tokens of all images, concatenated).
+
 Weights. Every text parameter is re-drawn from a seeded generator (projections ~ N(0, 1/fan_in), router
 projection ~ N(0, 1) so top-k choices are not near-ties, embeddings ~ N(0, 0.5^2) so the 30*tanh(z/30)
 softcap is exercised), and everything that would otherwise be constant -- all RMSNorm scales, router
@@ -113,6 +121,23 @@ def _randomize(model, seed):
             b.copy_(0.5 + torch.rand(b.shape, generator=g))
 
 
+@torch.no_grad()
+def _randomize_vision(model, seed):
+    """Seeded re-draw of the vision tower and its projection: linears ~ N(0, 1/fan_in), the position table
+    ~ N(0, 1), norm scales and `std_scale` ~ U(0.5, 1.5), `std_bias` ~ N(0, 1)."""
+    g = torch.Generator().manual_seed(seed + 1_000)
+    encoder = model.model.encoder
+    tensors = [*encoder.vision_tower.named_parameters(), *encoder.embed_vision.named_parameters(),
+               *((n, b) for n, b in encoder.vision_tower.named_buffers() if n.startswith("std_"))]
+    for name, p in tensors:
+        if name.endswith("position_embedding_table") or name == "std_bias":
+            p.copy_(torch.randn(p.shape, generator=g))
+        elif p.ndim == 1:
+            p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+
+
 def make_tiny_hf(
     path,
     *,
@@ -134,12 +159,18 @@ def make_tiny_hf(
     canvas_length=8,
     max_shards=None,
     attn_implementation="eager",
+    vision_config=None,
+    image_token_ids=None,
+    use_bidirectional_attention=None,
 ):
     """Build, randomize, save to `path` and reload a tiny DiffusionGemmaForBlockDiffusion (float32, eval).
 
     `max_shards`: if given, the checkpoint is split into at most that many (for the default sizes, exactly
     that many for 2..5) `model-0000k-of-0000n.safetensors` files plus an index. `attn_implementation` of
     the returned model: "eager" (plain math) or "sdpa" (same within ~2e-5). Returns the reloaded model.
+    `vision_config` (Gemma4VisionConfig fields): a real tiny vision tower, randomized as well (default: the
+    untouched placeholder); `image_token_ids`: (image, begin, end) ids inside the vocabulary;
+    `use_bidirectional_attention`: the text config's (None or "vision").
     """
     text_config = DiffusionGemmaTextConfig(
         hidden_size=hidden_size,
@@ -156,8 +187,9 @@ def make_tiny_hf(
         num_experts=num_experts,
         top_k_experts=top_k_experts,
         vocab_size=vocab_size,
+        use_bidirectional_attention=use_bidirectional_attention,
     )
-    vision_config = Gemma4VisionConfig(
+    placeholder = dict(
         hidden_size=16,
         num_hidden_layers=1,
         intermediate_size=16,
@@ -166,10 +198,16 @@ def make_tiny_hf(
         head_dim=8,
         position_embedding_size=32,  # the default (10240) would dominate the checkpoint size
     )
-    config = DiffusionGemmaConfig(text_config=text_config, vision_config=vision_config, canvas_length=canvas_length)
+    vision = Gemma4VisionConfig(**(placeholder if vision_config is None else vision_config))
+    ids = {}
+    if image_token_ids is not None:
+        ids = dict(zip(("image_token_id", "boi_token_id", "eoi_token_id"), image_token_ids))
+    config = DiffusionGemmaConfig(text_config=text_config, vision_config=vision, canvas_length=canvas_length, **ids)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config).float().eval()
     _randomize(model, seed)
+    if vision_config is not None:
+        _randomize_vision(model, seed)
 
     shard_size = "50GB"
     if max_shards:
@@ -201,38 +239,66 @@ def _logits(model, hidden):
     return logits
 
 
-def _encode(model, input_ids):
-    """Prefill the prompt like `generate` (step 1.a): fresh DynamicCache, 4D masks built up front."""
+def _images(pixel_values, image_position_ids):
+    if pixel_values is None:
+        return {}
+    return dict(pixel_values=torch.as_tensor(np.asarray(pixel_values), dtype=torch.float32),
+                image_position_ids=_long(image_position_ids))
+
+
+def _encode(model, input_ids, pixel_values=None, image_position_ids=None):
+    """Prefill the prompt like `generate` (step 1.a): fresh DynamicCache, 4D masks built up front (with the
+    processor's `mm_token_type_ids` when there are images)."""
     batch, length = input_ids.shape
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
     position_ids = torch.arange(length).unsqueeze(0)
+    images = _images(pixel_values, image_position_ids)
+    mm_token_type_ids = (input_ids == model.config.image_token_id).long() if images else None
     mask_mapping = model.model.encoder.create_masks_for_generate(
         config=model.config,
         inputs_embeds=torch.empty((batch, length, 0), dtype=model.dtype),
         attention_mask=torch.ones((batch, length), dtype=torch.bool),
         cache=cache,
         position_ids=position_ids,
+        mm_token_type_ids=mm_token_type_ids,
     )
-    out = model.model.encoder(input_ids=input_ids, attention_mask=mask_mapping, cache=cache, position_ids=position_ids)
+    out = model.model.encoder(
+        input_ids=input_ids, attention_mask=mask_mapping, cache=cache, position_ids=position_ids, **images
+    )
     return out.last_hidden_state, out.cache
 
 
 @torch.no_grad()
-def encoder_logits(model, tokens):
+def image_features(model, pixel_values, image_position_ids):
+    """The valid soft tokens of all images in the text embedding space [sum of soft tokens, D] float32."""
+    out = model.model.encoder.get_image_features(**_images(pixel_values, image_position_ids))
+    return out.pooler_output.numpy()
+
+
+@torch.no_grad()
+def encoder_logits(model, tokens, pixel_values=None, image_position_ids=None):
     """Causal encoder over int tokens [B, L] -> softcapped tied-lm_head logits [B, L, V] float32."""
-    hidden, _ = _encode(model, _long(tokens))
+    hidden, _ = _encode(model, _long(tokens), pixel_values, image_position_ids)
     return _logits(model, hidden).numpy()
 
 
 @torch.no_grad()
-def decoder_logits(model, prompt, canvas, self_conditioning_logits=None, self_conditioning_mask=None):
-    """Encode `prompt` [B, L] into the KV cache, then one denoiser pass over `canvas` [B, C].
+def decoder_logits(
+    model,
+    prompt,
+    canvas,
+    self_conditioning_logits=None,
+    self_conditioning_mask=None,
+    pixel_values=None,
+    image_position_ids=None,
+):
+    """Encode `prompt` [B, L] (with its images, if any) into the KV cache, then one denoiser pass over `canvas`.
 
     Optional `self_conditioning_logits` [B, C, V] float and `self_conditioning_mask` [B] bool.
     Returns the final (softcapped) logits [B, C, V] float32, as in one `generate` denoising step.
     """
     prompt, canvas = _long(prompt), _long(canvas)
-    _, cache = _encode(model, prompt)
+    _, cache = _encode(model, prompt, pixel_values, image_position_ids)
     length = prompt.shape[1]
     mask_mapping = model.model.decoder.create_diffusion_decoder_attention_mask(
         config=model.config,

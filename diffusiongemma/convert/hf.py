@@ -5,7 +5,9 @@ torch layout ([out, in] linears, fused expert weights) and ours; loading and sav
 
 transformers ties the encoder's and the decoder's weights and saves them once, under `model.decoder.`;
 only the encoder's `layer_scalar` buffers are stored under `model.encoder.language_model.`. For the
-shared weights we accept either prefix. The vision tower is not part of this text model and is skipped.
+shared weights we accept either prefix. The Gemma 4 vision encoder (`model.encoder.vision_tower.*`,
+`model.encoder.embed_vision.*`) is read and written when the config has one (`ModelConfig.vision`; its
+table is in `convert/vision.py`), and skipped otherwise (e.g. `load_hf(path, vision=None)`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ def _linear(heads: int | None = None):
           (lambda w: w.transpose(0, 2, 1).reshape(-1, w.shape[1])))
 
 
+def _output_projection(heads: int):
+  """torch o_proj [D, N*H] <-> ours [N, H, D]."""
+  return ((lambda w: w.reshape(w.shape[0], heads, -1).transpose(1, 2, 0)),
+          (lambda w: w.transpose(2, 0, 1).reshape(w.shape[2], -1)))
+
+
 def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
   shared = lambda name: (_DECODER + name, _ENCODER + name)
   yield _Entry(("embedder", "input_embedding"), shared("embed_tokens.weight"), _identity, _identity)
@@ -73,10 +81,7 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
     yield _Entry(attn + ("k_einsum",), key("self_attn.k_proj.weight"), kv_in, kv_out)
     if not (cfg.layer_types[i] == FULL and cfg.full_k_eq_v):
       yield _Entry(attn + ("v_einsum",), key("self_attn.v_proj.weight"), kv_in, kv_out)
-    # o_proj [D, N*H] <-> attn_vec_einsum [N, H, D]
-    yield _Entry(attn + ("attn_vec_einsum",), key("self_attn.o_proj.weight"),
-                 lambda w: w.reshape(w.shape[0], cfg.num_heads, -1).transpose(1, 2, 0),
-                 lambda w: w.transpose(2, 0, 1).reshape(w.shape[2], -1))
+    yield _Entry(attn + ("attn_vec_einsum",), key("self_attn.o_proj.weight"), *_output_projection(cfg.num_heads))
     yield _Entry(attn + ("_query_norm", "scale"), key("self_attn.q_norm.weight"), _identity, _identity)
     yield _Entry(attn + ("_key_norm", "scale"), key("self_attn.k_norm.weight"), _identity, _identity)
     for ours_norm, hf_norm in (("pre_attention_norm", "input_layernorm"),
@@ -101,6 +106,8 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
     scalar_in, scalar_out = (lambda w: w.reshape(())), (lambda w: w.reshape(1))
     yield _Entry(ours + ("decoder_scalar",), (_DECODER + layer + "layer_scalar",), scalar_in, scalar_out)
     yield _Entry(ours + ("encoder_scalar",), (_ENCODER + layer + "layer_scalar",), scalar_in, scalar_out)
+  if cfg.vision is not None:
+    yield from _vision.layout(cfg.vision)
 
 
 def _mlp(path: tuple[str, ...], key: Callable[[str], tuple[str, ...]]) -> Iterator[_Entry]:
@@ -160,6 +167,7 @@ def config_from_hf(hf_config: dict[str, Any], **overrides) -> ModelConfig:
       eos_id=eos[0] if isinstance(eos, list) else eos,
       bos_id=text.get("bos_token_id", 2),
   )
+  values.update(_vision.config_from_hf(hf_config, text["vocab_size"]))
   values.update(overrides)
   return ModelConfig(**values)
 
@@ -307,9 +315,14 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       moe_intermediate_size=cfg.moe_intermediate_size, max_position_embeddings=cfg.max_positions,
       rms_norm_eps=cfg.rms_norm_eps, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
       pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id, bos_token_id=cfg.bos_id)
-  return dict(architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma",
-              canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
-              vision_config=dict(_PLACEHOLDER_VISION))
+  hf_config = dict(architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma",
+                   canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
+                   vision_config=dict(_PLACEHOLDER_VISION), image_token_id=cfg.image_id,
+                   boi_token_id=cfg.begin_image_id, eoi_token_id=cfg.end_image_id)
+  if cfg.vision is not None:
+    text["use_bidirectional_attention"] = "vision" if cfg.vision.bidirectional_attention else None
+    hf_config["vision_config"] = _vision.config_to_hf(cfg.vision)
+  return hf_config
 
 
 def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | None = None,
@@ -318,8 +331,9 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
 
   Tensors are fetched to the host one at a time and written in safetensors shards of at most
   `max_shard_bytes` (plus `model.safetensors.index.json` when there are several), so at most one shard
-  is ever held in host memory. `dtype` casts on the way (default: each parameter's own). The text model is
-  exported; `vision_from`, an original checkpoint folder, copies its vision tower and vision config.
+  is ever held in host memory. `dtype` casts on the way (default: each parameter's own). A model with a
+  vision encoder (`cfg.vision`) writes it from `params`; for a text-only one, `vision_from`, an original
+  checkpoint folder, copies its vision tower and vision config (else transformers makes a placeholder).
   """
   params = nn.unbox(params)
   params = params.get("params", params) if set(params) == {"params"} else params
@@ -327,6 +341,9 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
   path.mkdir(parents=True, exist_ok=True)
   hf_config = config_to_hf(cfg)
   tensors = ((entry.keys[0], entry.to_hf(_get(params, entry.path))) for entry in _layout(cfg))
+  if vision_from is not None and cfg.vision is not None:
+    raise ValueError(f"save_hf: vision_from={str(vision_from)!r} is for a text-only model; this one has its own "
+                     "vision encoder (cfg.vision), which is written from params.")
   if vision_from is not None:
     vision_from = pathlib.Path(vision_from)
     hf_config["vision_config"] = json.loads((vision_from / "config.json").read_text())["vision_config"]
@@ -373,3 +390,7 @@ def _get(tree, path: tuple[str, ...], leaf: bool = False):
       return np.asarray(jax.device_get(tree[int(name)]))
     tree = tree[name]
   return tree if leaf else np.asarray(jax.device_get(tree))
+
+
+# Last: the vision layout builds on this module's _Entry and helpers.
+from diffusiongemma.convert import vision as _vision  # pylint: disable=g-import-not-at-top,wrong-import-position

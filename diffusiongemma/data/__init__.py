@@ -1,5 +1,7 @@
-"""Data: text corpora, tokenizers (ours and a checkpoint's), and grain pipelines of packed examples."""
+"""Data: text corpora, tokenizers (ours and a checkpoint's), grain pipelines of packed examples, images
+and video."""
 
+from diffusiongemma.data import images
 from diffusiongemma.data.corpus import load_corpus
 from diffusiongemma.data.corpus import read_text_files
 from diffusiongemma.data.corpus import split_files
@@ -19,6 +21,7 @@ __all__ = [
     "Tokenizer",
     "TokenizerLike",
     "get_tokenizer",
+    "images",
     "load_corpus",
     "load_tokenizer",
     "make_dataset",

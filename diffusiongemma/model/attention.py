@@ -119,11 +119,13 @@ class Attention(nn.Module):
     return jnp.einsum("BLNH,NHD->BLD", out, self.attn_vec_einsum.astype(self.config.dtype))
 
   def encode(self, x: Array, positions: Array, valid: Array, keys: Array, values: Array,
-             new_length: Array) -> tuple[Array, Array, Array]:
+             new_length: Array, extra_mask: Array | None = None) -> tuple[Array, Array, Array]:
     """Causal attention of new tokens over the cache after writing them into it.
 
     x: [B, L, D] at `positions` [B, L]; `valid` [B, L] marks real (not padding) tokens, which alone are
     written; keys/values [B, S, K, H]; `new_length` [B] is the cache length after the write.
+    `extra_mask` [B, L, S] opens more keys on top of the causal (and window) mask: the soft tokens of
+    one image, which see each other both ways.
     """
     q, k, v = self.project(x, positions)
     capacity = keys.shape[1]
@@ -136,6 +138,8 @@ class Attention(nn.Module):
     mask = (key_pos <= query_pos) & (key_pos < new_length[:, None, None])
     if not self.is_full:
       mask &= key_pos > query_pos - self.config.sliding_window
+    if extra_mask is not None:
+      mask |= extra_mask
     return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), keys, values
 
   def denoise(self, x: Array, positions: Array, keys: Array, values: Array, length: Array,

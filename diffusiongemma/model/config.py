@@ -13,6 +13,74 @@ MOE_IMPLEMENTATIONS = ("grouped", "ragged", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _positive_ints(config, fields) -> None:
+  for field in fields:
+    value = getattr(config, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: must be a positive integer.")
+
+
+def _from_dict(cls, values):
+  values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
+  known = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - known)
+  if unknown:
+    raise ValueError(f"Unknown {cls.__name__} fields {unknown}; known fields are {sorted(known)}.")
+  return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+  """Dimensions of the Gemma 4 vision encoder (`model/vision.py`); defaults are the released 26B-A4B's.
+
+  Images are cut into `patch_size` squares (at most `budget * pooling_kernel_size**2` of them), embedded
+  with a 2-D position table of `position_embedding_size` rows per axis, run through a bidirectional
+  transformer with 2-D RoPE, average-pooled over `pooling_kernel_size`^2 neighbourhoods into soft tokens,
+  optionally standardised, and projected into the text embedding space.
+
+  `bidirectional_attention` is how the *text* encoder treats those soft tokens: with it (transformers'
+  `text_config.use_bidirectional_attention == "vision"`, the released model), the soft tokens of one
+  image attend to each other in both directions, in every layer, beyond the sliding window; without it,
+  they are causal like text.
+  """
+
+  hidden_size: int = 1152
+  intermediate_size: int = 4304
+  num_layers: int = 27
+  num_heads: int = 16
+  num_kv_heads: int = 16
+  head_dim: int = 72
+  patch_size: int = 16
+  pooling_kernel_size: int = 3
+  position_embedding_size: int = 10_240
+  rope_theta: float = 100.0
+  rms_norm_eps: float = 1e-6
+  standardize: bool = True
+  bidirectional_attention: bool = True
+
+  def __post_init__(self):
+    _positive_ints(self, ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                          "head_dim", "patch_size", "pooling_kernel_size", "position_embedding_size"))
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"VisionConfig.num_kv_heads={self.num_kv_heads} is invalid: must divide "
+                       f"num_heads={self.num_heads}.")
+    if self.head_dim % 4:
+      raise ValueError(f"VisionConfig.head_dim={self.head_dim} is invalid: must be a multiple of 4 (2-D RoPE "
+                       "rotates pairs within each half).")
+    for field in ("rope_theta", "rms_norm_eps"):
+      if not getattr(self, field) > 0:
+        raise ValueError(f"VisionConfig.{field}={getattr(self, field)!r} is invalid: must be positive.")
+
+  @property
+  def patch_pixels(self) -> int:
+    """Values per patch: 3 channels x patch_size^2."""
+    return 3 * self.patch_size**2
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any]) -> "VisionConfig":
+    return _from_dict(cls, values)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Dimensions and numerics of a DiffusionGemma text transformer.
@@ -54,6 +122,12 @@ class ModelConfig:
   pad_id: int = 0
   eos_id: int = 1
   bos_id: int = 2
+  # The Gemma 4 vision encoder (None: a text-only model) and the ids of its tokens: each image is
+  # `begin_image_id`, one `image_id` per soft token (replaced by the image's embeddings), `end_image_id`.
+  vision: VisionConfig | None = None
+  image_id: int = 258_880
+  begin_image_id: int = 255_999
+  end_image_id: int = 258_882
 
   def __post_init__(self):
     if self.layer_types is None:
@@ -63,18 +137,17 @@ class ModelConfig:
       object.__setattr__(self, "layer_types", types)
     else:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if isinstance(self.vision, Mapping) or hasattr(self.vision, "to_dict"):  # e.g. read back from JSON
+      object.__setattr__(self, "vision", VisionConfig.from_dict(self.vision))
     self._validate()
 
   def _validate(self):
     def fail(field, allowed):
       raise ValueError(f"ModelConfig.{field}={getattr(self, field)!r} is invalid: {allowed}.")
 
-    for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                  "num_full_kv_heads", "full_head_dim", "sliding_window", "intermediate_size",
-                  "num_experts", "top_k", "moe_intermediate_size", "canvas_length", "max_positions"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        fail(field, "must be a positive integer")
+    _positive_ints(self, ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                          "num_full_kv_heads", "full_head_dim", "sliding_window", "intermediate_size",
+                          "num_experts", "top_k", "moe_intermediate_size", "canvas_length", "max_positions"))
     if len(self.layer_types) != self.num_layers:
       fail("layer_types", f"needs one entry per layer (num_layers={self.num_layers}), got "
            f"{len(self.layer_types)}")
@@ -109,16 +182,18 @@ class ModelConfig:
     for field in ("pad_id", "eos_id", "bos_id"):
       if not 0 <= getattr(self, field) < self.vocab_size:
         fail(field, f"must be a token id in [0, vocab_size={self.vocab_size})")
+    if self.vision is not None:
+      if not isinstance(self.vision, VisionConfig):
+        fail("vision", "must be a VisionConfig, a mapping of its fields, or None")
+      for field in ("image_id", "begin_image_id", "end_image_id"):
+        if not 0 <= getattr(self, field) < self.vocab_size:
+          fail(field, f"must be a token id in [0, vocab_size={self.vocab_size}) in a model with a vision "
+               "encoder")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
     """Builds a config from a mapping (e.g. `config.model` of an ml_collections file), naming unknown keys."""
-    values = dict(values.to_dict() if hasattr(values, "to_dict") else values)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-      raise ValueError(f"Unknown ModelConfig fields {unknown}; known fields are {sorted(known)}.")
-    return cls(**values)
+    return _from_dict(cls, values)
 
   def to_dict(self) -> dict[str, Any]:
     values = dataclasses.asdict(self)

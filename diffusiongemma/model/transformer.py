@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from diffusiongemma.model import layers, moe
+from diffusiongemma.model import layers, moe, vision
 from diffusiongemma.model.attention import Attention, KVCache
 from diffusiongemma.model.config import ModelConfig
 
@@ -52,9 +52,9 @@ class Block(nn.Module):
     out = h + self.post_ffw_norm(dense + self.post_ffw2_norm(sparse))
     return out * scalar.astype(out.dtype)
 
-  def encode(self, x, positions, valid, keys, values, new_length):
+  def encode(self, x, positions, valid, keys, values, new_length, extra_mask=None):
     attn, keys, values = self.attn.encode(self.pre_attention_norm(x), positions, valid, keys, values,
-                                          new_length)
+                                          new_length, extra_mask)
     h = x + self.post_attention_norm(attn)
     return self._feed_forward(h, self.encoder_scalar), keys, values
 
@@ -94,6 +94,14 @@ class DiffusionGemma(nn.Module):
     logits [B, C, V] of a previous pass enter through self-conditioning; `self_conditioning_mask` [B]
     zeroes that signal per row (None means a zero signal, which is not the same as zero logits).
   - `__call__(prompt, canvas, ...)`: encode the prompt, then denoise the canvas.
+
+  With `config.vision` (the Gemma 4 vision encoder), `encode` also takes images: `pixel_values`
+  [images, patches, 3 * patch^2] and `image_position_ids` [images, patches, 2] (`data.images.preprocess`
+  and `stack`). Their soft tokens
+  replace, in order, the embeddings of the `image_id` placeholders of `tokens` (row by row; a row may
+  have none), and, with `vision.bidirectional_attention`, the soft tokens of one image attend to each
+  other both ways in every layer (transformers' `generate` with `mm_token_type_ids`). Images never
+  change positions, and the cache then serves the canvas as usual. Without images nothing of this runs.
   """
 
   config: ModelConfig
@@ -108,14 +116,32 @@ class DiffusionGemma(nn.Module):
     self.blocks = [block(cfg, i, name=f"layer_{i}") for i in range(cfg.num_layers)]
     self.final_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=jnp.dtype(cfg.param_dtype))
     self.self_conditioning = SelfConditioning(cfg)
+    if cfg.vision is not None:
+      dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+      self.vision_tower = vision.VisionTower(cfg.vision, dt, pdt)
+      self.embed_vision = vision.VisionEmbedder(cfg.vision.hidden_size, cfg.hidden_size, cfg.vision.rms_norm_eps,
+                                                dt, pdt)
+
+  def image_embeddings(self, pixel_values: Array, image_position_ids: Array) -> tuple[Array, Array]:
+    """Soft tokens of images in the text embedding space [images, slots, D], and which are valid
+    [images, slots] (the first `num_soft_tokens` of each): transformers' `get_image_features` before it
+    drops the others."""
+    self._require_vision()
+    soft, valid = self.vision_tower(pixel_values, image_position_ids)
+    return self.embed_vision(soft), valid
 
   def init_cache(self, batch_size: int, capacity: int, dtype=None) -> KVCache:
     """An empty cache holding up to `capacity` positions per row."""
     return KVCache.empty(self.config, batch_size, capacity, dtype)
 
   def encode(self, tokens: Array, cache: KVCache | None = None, *, num_tokens: Array | None = None,
-             return_hidden: bool = False):
-    """Causal encoding of `tokens` [B, L] after the cache. Returns (logits [B, L, V], cache)."""
+             return_hidden: bool = False, pixel_values: Array | None = None,
+             image_position_ids: Array | None = None):
+    """Causal encoding of `tokens` [B, L] after the cache. Returns (logits [B, L, V], cache).
+
+    `pixel_values` and `image_position_ids`: the images whose soft tokens fill the `image_id`
+    placeholders of `tokens` (see the class docstring).
+    """
     b, l = tokens.shape
     if cache is None:
       cache = self.init_cache(b, l)
@@ -124,9 +150,13 @@ class DiffusionGemma(nn.Module):
     valid = jnp.arange(l)[None] < num_tokens[:, None]
     new_length = cache.length + num_tokens
     x = self.embedder.encode(tokens)  # [B, L, D]
+    image_mask = None
+    if pixel_values is not None:
+      x, image_mask = self._merge_images(x, tokens, valid, positions, cache.capacity, pixel_values,
+                                         image_position_ids)
     keys, values = [], []
     for i, block in enumerate(self.blocks):
-      x, k, v = block.encode(x, positions, valid, cache.keys[i], cache.values[i], new_length)
+      x, k, v = block.encode(x, positions, valid, cache.keys[i], cache.values[i], new_length, image_mask)
       keys.append(k)
       values.append(v)
     x = self.final_norm(x)
@@ -134,6 +164,25 @@ class DiffusionGemma(nn.Module):
     if return_hidden:
       return x, cache
     return self.embedder.decode(x), cache
+
+  def _merge_images(self, x, tokens, valid, positions, capacity, pixel_values, image_position_ids):
+    """x [B, L, D] with the images' soft tokens in place of the placeholders, and the extra attention
+    mask [B, L, S] of same-image soft tokens (None without bidirectional image attention)."""
+    cfg = self.config
+    self._require_vision()
+    if image_position_ids is None:
+      raise ValueError("pixel_values were given without image_position_ids.")
+    is_image = (tokens == cfg.image_id) & valid  # [B, L]
+    vision.check_placeholders(cfg.vision, is_image, image_position_ids)
+    features, soft_valid = self.image_embeddings(pixel_values, image_position_ids)
+    x = vision.merge_soft_tokens(x, is_image, features, soft_valid)
+    if not cfg.vision.bidirectional_attention:
+      return x, None
+    return x, vision.image_block_mask(is_image, positions, capacity)
+
+  def _require_vision(self) -> None:
+    if self.config.vision is None:
+      raise ValueError("This model has no vision encoder (ModelConfig.vision=None): it cannot take images.")
 
   def denoise(self, canvas: Array, cache: KVCache | None = None, self_conditioning_logits: Array | None = None,
               self_conditioning_mask: Array | None = None, *, block_length: int | None = None) -> Array:
@@ -161,6 +210,8 @@ class DiffusionGemma(nn.Module):
 
   def __call__(self, prompt: Array, canvas: Array, self_conditioning_logits: Array | None = None,
                self_conditioning_mask: Array | None = None) -> Array:
+    if self.config.vision is not None and self.is_initializing():
+      self.image_embeddings(*vision.dummy_image(self.config.vision))  # creates the vision parameters
     _, cache = self.encode(prompt)
     return self.denoise(canvas, cache, self_conditioning_logits, self_conditioning_mask)
 
@@ -168,7 +219,8 @@ class DiffusionGemma(nn.Module):
 def count_parameters(config: ModelConfig) -> dict[str, int]:
   """Total parameters and parameters active per token (the k of E experts), via `jax.eval_shape`.
 
-  The tied embedding is counted once in both; no memory is allocated.
+  The tied embedding is counted once in both; no memory is allocated. With a vision encoder, both
+  include it, and `vision` counts it alone (tower and projection).
   """
   model = DiffusionGemma(config)
   tokens = jnp.zeros((1, 1), jnp.int32)
@@ -177,4 +229,8 @@ def count_parameters(config: ModelConfig) -> dict[str, int]:
   total = sum(leaf.size for _, leaf in flat)
   experts = sum(leaf.size for path, leaf in flat if any(getattr(p, "key", None) == "experts" for p in path))
   active = total - experts + experts * config.top_k // config.num_experts
-  return {"total": total, "active": active}
+  counts = {"total": total, "active": active}
+  if config.vision is not None:
+    counts["vision"] = sum(leaf.size for path, leaf in flat
+                           if getattr(path[0], "key", None) in ("vision_tower", "embed_vision"))
+  return counts
