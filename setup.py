@@ -23,9 +23,10 @@ setuptools.setup(
         "tqdm",
         "tensorboardX",
         "matplotlib",
+        "outlines-core==0.2.14",  # regex / JSON schema -> byte DFA for constraints
     ],
     extras_require={
-        "test": ["pytest", "chex", "nbclient", "nbformat", "ipykernel"],
+        "test": ["pytest", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema", "tokenizers"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
     },
