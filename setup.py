@@ -25,9 +25,11 @@ setuptools.setup(
         "tensorboardX",
         "matplotlib",
         "pillow",
+        "outlines-core==0.2.14",  # regex / JSON schema -> byte DFA for constraints
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel"],
+        "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
+                 "imageio>=2.38", "av>=14"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.
