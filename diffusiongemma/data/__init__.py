@@ -1,5 +1,7 @@
 """Data: text corpora, the sentencepiece tokenizer, and grain pipelines of packed examples."""
 
+from diffusiongemma.data import sft
+from diffusiongemma.data import sudoku
 from diffusiongemma.data.corpus import load_corpus
 from diffusiongemma.data.corpus import read_text_files
 from diffusiongemma.data.corpus import split_files
@@ -15,7 +17,9 @@ __all__ = [
     "load_corpus",
     "make_dataset",
     "read_text_files",
+    "sft",
     "split_files",
     "stdlib_files",
+    "sudoku",
     "tokenize_corpus",
 ]
