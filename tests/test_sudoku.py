@@ -209,6 +209,15 @@ def test_sudoku_dataset_batches(tmp_path):
   assert (padded["tokens"][:, 82 + 81:] == sudoku.EOS).all()
 
 
+def test_sudoku_curriculum_starts_easy(tmp_path):
+  settings = dict(batch_size=4, seed=0, pool_size=8, pool_clues=36, min_clues=36, max_clues=44,
+                  curriculum_steps=4, cache_dir=tmp_path)
+  train = iter(sft.sudoku_dataset("train", **settings))
+  lowest = [(sudoku.decode_puzzle(next(train)["tokens"][:, :82]) != 0).sum(1).min() for _ in range(8)]
+  assert lowest[0] >= 43 and min(lowest[5:]) < 40
+  assert all(clues >= 36 for clues in lowest)
+
+
 def test_jsonl_examples(tmp_path):
   path = tmp_path / "pairs.jsonl"
   records = [{"prompt": f"q{i}", "response": "a" * (i % 7)} for i in range(40)]
@@ -230,7 +239,7 @@ def test_jsonl_examples(tmp_path):
     assert tokens[0] == 2 and tokens.shape == (12,)
     assert tokens[p + k * 4 - 1] == 1 and (tokens[p + k * 4:] == 0).all()
   path.write_text('{"prompt": "x"}\n')
-  with pytest.raises(ValueError, match="line 1 needs string fields"):
+  with pytest.raises(ValueError, match="line 1 has no string fields .prompt. and .response."):
     sft.read_jsonl_pairs(path)
 
 
@@ -485,9 +494,9 @@ def test_solve_counts_passes_and_checks_solutions():
   assert ((result.passes >= 1) & (result.passes <= 4)).all()
   np.testing.assert_array_equal(result.solved, sudoku.check_solution(puzzles, result.solutions))
   ar = sudoku_eval.solve(sampler, params, puzzles, "autoregressive", batch_size=3)
-  np.testing.assert_array_equal(ar.passes, 81)
+  assert ((ar.passes >= 1) & (ar.passes <= 81)).all()  # one per token, until a stop token
   summary = ar.summary()
-  assert summary["tokens_per_forward"] == 1.0 and summary["puzzles"] == 3
+  assert summary["tokens_per_forward"] == 1.0 and summary["puzzles"] == 3  # AR: one token per pass
   with pytest.raises(ValueError, match="decoder"):
     sudoku_eval.solve(sampler, params, puzzles, "beam")
 
@@ -512,4 +521,4 @@ def test_train_and_solve_script_end_to_end(tmp_path):
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("solved ") and "passes/puzzle" in last and "puzzles/s" in last
     stats = json.loads(out.stdout.strip().splitlines()[-2])
-    assert stats["puzzles"] == 5 and stats["passes_per_puzzle"] == (81 if extra else stats["passes_per_puzzle"])
+    assert stats["puzzles"] == 5 and 1 <= stats["passes_per_puzzle"] <= (81 if extra else 3)

@@ -69,26 +69,9 @@ def read_jsonl_pairs(path: os.PathLike | str, prompt_field: str = "prompt",
                      response_field: str = "response") -> list[tuple[str, str]]:
   """(prompt, response) texts of a JSONL file; blank lines are skipped, anything else malformed is an
   error naming the line."""
-  path = pathlib.Path(path)
-  if not path.is_file():
+  if not pathlib.Path(path).is_file():
     raise ValueError(f"SFT data {str(path)!r} does not exist (config.data.corpus).")
-  pairs = []
-  with path.open(encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg}).") from None
-      if not isinstance(record, dict) or not all(isinstance(record.get(k), str)
-                                                 for k in (prompt_field, response_field)):
-        raise ValueError(f"{path}: line {lineno} needs string fields {prompt_field!r} and "
-                         f"{response_field!r}.")
-      pairs.append((record[prompt_field], record[response_field]))
-  if not pairs:
-    raise ValueError(f"{path}: no records found.")
-  return pairs
+  return corpus.read_jsonl_fields(path, (prompt_field, response_field))
 
 
 def jsonl_examples(path: os.PathLike | str, tokenizer: Tokenizer, split: str, *, prompt_length: int,
@@ -142,12 +125,22 @@ def examples_dataset(examples: Sequence[dict[str, np.ndarray]], *, batch_size: i
 
 
 class _SudokuExample:
-  """Pool index -> training example, randomised by the example's global position (picklable)."""
+  """Pool index -> training example, randomised by the example's global position (picklable).
 
-  def __init__(self, puzzles, solutions, min_clues, max_clues, canvas_length, seeds, augment):
+  With a curriculum, the lowest clue count of example `position` falls linearly from `max_clues` to
+  `min_clues` over the first `curriculum_examples` examples (easy puzzles first)."""
+
+  def __init__(self, puzzles, solutions, min_clues, max_clues, canvas_length, seeds, augment,
+               curriculum_examples=0):
     self.puzzles, self.solutions = puzzles, solutions
     self.min_clues, self.max_clues = min_clues, max_clues
     self.canvas_length, self.seeds, self.augment = canvas_length, tuple(seeds), augment
+    self.curriculum_examples = curriculum_examples
+
+  def lowest_clues(self, position: int) -> int:
+    if position >= self.curriculum_examples:
+      return self.min_clues
+    return round(self.max_clues - (self.max_clues - self.min_clues) * position / self.curriculum_examples)
 
   def __call__(self, position: int, index: int) -> dict[str, np.ndarray]:
     puzzle, solution = self.puzzles[index], self.solutions[index]
@@ -156,7 +149,8 @@ class _SudokuExample:
       cells, digits = sudoku.random_symmetry(rng)
       puzzle = sudoku.apply_symmetry(puzzle, cells, digits)
       solution = sudoku.apply_symmetry(solution, cells, digits)
-      puzzle = sudoku.reveal(puzzle, solution, int(rng.integers(self.min_clues, self.max_clues + 1)), rng)
+      clues = int(rng.integers(self.lowest_clues(int(position)), self.max_clues + 1))
+      puzzle = sudoku.reveal(puzzle, solution, clues, rng)
     return sudoku_example(puzzle, solution, self.canvas_length)
 
 
@@ -176,12 +170,14 @@ def sudoku_example(puzzle: np.ndarray, solution: np.ndarray, canvas_length: int 
 def sudoku_dataset(split: str, *, batch_size: int, seed: int, canvas_length: int = sudoku.NUM_CELLS,
                    pool_size: int = 4096, pool_clues: int = 30, min_clues: int = 36, max_clues: int = 40,
                    validation_size: int = 256, validation_clues: Sequence[int] = (36, 37, 38, 39, 40),
-                   shard_index: int = 0, shard_count: int = 1,
+                   curriculum_steps: int = 0, shard_index: int = 0, shard_count: int = 1,
                    cache_dir: os.PathLike | str | None = None) -> grain.IterDataset:
   """Sudoku batches of `split`.
 
   train: `pool_size` puzzles with `pool_clues` clues (seed stream 'train'), each example under a random
-  symmetry with solution cells revealed up to U{min_clues..max_clues} clues, shuffled, forever.
+  symmetry with solution cells revealed up to U{min_clues..max_clues} clues, shuffled, forever; with
+  `curriculum_steps`, the lower end of that range starts at max_clues and reaches min_clues after that
+  many batches.
   validation: `validation_size` held-out puzzles (seed stream 'validation') cycling through
   `validation_clues`, one pass, unchanged.
   """
@@ -200,7 +196,8 @@ def sudoku_dataset(split: str, *, batch_size: int, seed: int, canvas_length: int
   dataset = _batches(dataset, batch_size=batch_size, seed=seed, train=split == "train",
                      shard_index=shard_index, shard_count=shard_count, size=len(puzzles))
   dataset = dataset.map_with_index(_SudokuExample(puzzles, solutions, min_clues, max_clues, canvas_length,
-                                                  (seed, shard_index), augment))
+                                                  (seed, shard_index), augment,
+                                                  curriculum_steps * batch_size))
   return dataset.batch(batch_size, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
 
 

@@ -6,7 +6,8 @@ A puzzle counts as solved when the model's 81 digits form a valid grid that keep
 - `solve_rate`: solved / puzzles;
 - `passes_per_puzzle`: forward passes of the model per puzzle after the prompt (diffusion: denoiser
   passes, at most `max_denoising_steps`; AR: one per generated token, 81);
-- `tokens_per_forward`: new tokens per forward pass, pooled over the run (81 per puzzle / its passes);
+- `tokens_per_forward`: new tokens (up to and including a stop token; 81 per puzzle when the model
+  writes a whole grid) per forward pass, pooled over the run;
 - `seconds_per_solved`: wall-clock of the whole run (prompt encoding included, compilation excluded)
   divided by the puzzles solved (inf when none is); `puzzles_per_s`: puzzles / run seconds;
 - `compile_s`: the first batch's extra time (tracing and compiling), reported apart.
@@ -38,6 +39,7 @@ class SolveResult:
   solutions: np.ndarray  # [N, 81] int8 digits, 0 where the model wrote no digit
   solved: np.ndarray  # [N] bool
   passes: np.ndarray  # [N] int32 forward passes after the prompt
+  new_tokens: np.ndarray  # [N] int32 tokens written before the output turned to pad (at most C)
   run_s: float  # wall-clock of all batches, compilation excluded
   cpu_s: float  # process CPU time of the same (all threads)
   compile_s: float
@@ -50,7 +52,7 @@ class SolveResult:
         "solved": solved,
         "solve_rate": solved / max(n, 1),
         "passes_per_puzzle": float(self.passes.mean()) if n else 0.0,
-        "tokens_per_forward": n * sudoku.NUM_CELLS / max(int(self.passes.sum()), 1),
+        "tokens_per_forward": int(self.new_tokens.sum()) / max(int(self.passes.sum()), 1),
         "seconds_per_solved": self.run_s / solved if solved else math.inf,
         "puzzles_per_s": n / self.run_s if self.run_s > 0 else math.inf,
         "run_s": self.run_s,
@@ -69,7 +71,13 @@ def _batches(puzzles: np.ndarray, batch_size: int):
     yield sudoku.encode_puzzle(chunk), real
 
 
-def _run(decode: Callable, puzzles: np.ndarray, batch_size: int) -> SolveResult:
+def _new_tokens(tokens: np.ndarray, stop_tokens) -> np.ndarray:
+  """[B, T] -> [B]: tokens up to and including each row's first stop token (all T without one)."""
+  stops = np.isin(tokens, np.asarray(stop_tokens))
+  return np.where(stops.any(-1), stops.argmax(-1) + 1, tokens.shape[-1])
+
+
+def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, stop_tokens) -> SolveResult:
   """Runs `decode(prompts, batch_index) -> (tokens [b, >=81], passes [b])` over every batch."""
   puzzles = np.asarray(puzzles)
   if puzzles.ndim != 2 or puzzles.shape[1] != sudoku.NUM_CELLS:
@@ -81,17 +89,20 @@ def _run(decode: Callable, puzzles: np.ndarray, batch_size: int) -> SolveResult:
   start = time.perf_counter()
   jax.block_until_ready(decode(first_prompts, 0))
   first = time.perf_counter() - start
-  outputs, passes = [], []
+  outputs, passes, new = [], [], []
   start, cpu_start = time.perf_counter(), time.process_time()
   for i, (prompts, real) in enumerate(_batches(puzzles, batch_size)):
     tokens, counts = jax.device_get(decode(prompts, i))
-    outputs.append(np.asarray(tokens)[:real, :sudoku.NUM_CELLS])
+    tokens = np.asarray(tokens)[:real]
+    outputs.append(tokens[:, :sudoku.NUM_CELLS])
+    new.append(_new_tokens(tokens, stop_tokens))
     passes.append(np.asarray(counts)[:real])
   run_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
   batches = math.ceil(len(puzzles) / batch_size)
   solutions = sudoku.decode_solution(np.concatenate(outputs))
   return SolveResult(solutions=solutions, solved=sudoku.check_solution(puzzles, solutions),
-                     passes=np.concatenate(passes).astype(np.int32), run_s=run_s, cpu_s=cpu_s,
+                     passes=np.concatenate(passes).astype(np.int32),
+                     new_tokens=np.concatenate(new).astype(np.int32), run_s=run_s, cpu_s=cpu_s,
                      compile_s=max(first - run_s / batches, 0.0))
 
 
@@ -107,7 +118,7 @@ def solve_diffusion(sampler: Sampler, params, puzzles: np.ndarray, *, batch_size
                            max_new_tokens=length)
     return out.tokens, out.num_denoiser_passes
 
-  return _run(decode, puzzles, batch_size)
+  return _run(decode, puzzles, batch_size, sampler.stop_tokens)
 
 
 def solve_autoregressive(sampler: Sampler, params, puzzles: np.ndarray, *, batch_size: int = 64,
@@ -119,7 +130,7 @@ def solve_autoregressive(sampler: Sampler, params, puzzles: np.ndarray, *, batch
                                  max_new_tokens=sudoku.NUM_CELLS)
     return out.tokens, out.num_forward_passes
 
-  return _run(decode, puzzles, batch_size)
+  return _run(decode, puzzles, batch_size, sampler.stop_tokens)
 
 
 def solve(sampler: Sampler, params, puzzles: np.ndarray, decoder: str = "diffusion", **kwargs
