@@ -28,6 +28,7 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.diffusion.self_conditioning_prob = 0.5
   config.diffusion.ar_loss_weight = 1.0
   config.diffusion.diffusion_loss_weight = 1.0  # 0: train the encoder alone (configs/small_ar.py)
+  config.diffusion.ar_loss_on_prompt = True  # False: the AR loss on response targets only (SFT)
   config.diffusion.all_canvases = False  # train every canvas in one block-causal pass (BD3-LM style)
   config.diffusion.mask_token_id = -1  # masked noise: -1 means model.vocab_size - 1
 

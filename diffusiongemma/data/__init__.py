@@ -2,6 +2,8 @@
 and video."""
 
 from diffusiongemma.data import images
+from diffusiongemma.data import sft
+from diffusiongemma.data import sudoku
 from diffusiongemma.data.corpus import load_corpus
 from diffusiongemma.data.corpus import read_text_files
 from diffusiongemma.data.corpus import split_files
@@ -26,7 +28,9 @@ __all__ = [
     "load_tokenizer",
     "make_dataset",
     "read_text_files",
+    "sft",
     "split_files",
     "stdlib_files",
+    "sudoku",
     "tokenize_corpus",
 ]

@@ -139,7 +139,14 @@ def _read_text(path) -> str | None:
 
 def _read_jsonl(path: pathlib.Path, text_field: str) -> list[str]:
   """Texts of a JSONL file; blank lines are ignored, anything else malformed is an error."""
-  texts = []
+  return [text for text, in read_jsonl_fields(path, (text_field,))]
+
+
+def read_jsonl_fields(path: os.PathLike | str, fields: Sequence[str]) -> list[tuple[str, ...]]:
+  """The string `fields` of every record of a JSONL file, as tuples; blank lines are ignored, a line
+  that is not a JSON object with those string fields is an error naming it."""
+  path = pathlib.Path(path)
+  records = []
   with path.open(encoding="utf-8") as f:
     for lineno, line in enumerate(f, start=1):
       if not line.strip():
@@ -148,12 +155,14 @@ def _read_jsonl(path: pathlib.Path, text_field: str) -> list[str]:
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}: line {lineno} is not valid JSON ({e.msg}).") from None
-      if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-        raise ValueError(f"{path}: line {lineno} has no string field {text_field!r}.")
-      texts.append(record[text_field])
-  if not texts:
+      if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in fields):
+        names = " and ".join(repr(k) for k in fields)
+        raise ValueError(f"{path}: line {lineno} has no string field{'s' if len(fields) > 1 else ''} "
+                         f"{names}.")
+      records.append(tuple(record[k] for k in fields))
+  if not records:
     raise ValueError(f"{path}: no records found.")
-  return texts
+  return records
 
 
 def _split(items: list, keys: Sequence[str], validation_fraction: float, seed: int):

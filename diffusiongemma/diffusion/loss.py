@@ -22,10 +22,20 @@ sees; Google's code feeds them uniform logits instead. The loss is taken on pass
 pass 1 is skipped.
 
 Total loss = `diffusion_loss_weight` x diffusion loss + `ar_loss_weight` x the encoder's next-token
-cross-entropy on the clean sequence (every position, padding included, as the released model supervises
-its EOS padding). `diffusion_loss_weight=0` trains the encoder alone, an autoregressive baseline of the
-same size (configs/small_ar.py): the denoiser passes are then skipped, not multiplied by zero, so the
-baseline costs an AR model's compute, and the diffusion metrics read 0.
+cross-entropy on the clean sequence (every position up to the end of the row's canvases, EOS padding
+included, as the released model supervises it; `ar_loss_on_prompt=False` leaves out the targets inside
+the prompt, as supervised fine-tuning usually does). With `ar_loss_weight=0` the encoder runs only over
+the tokens before the last canvas slot (all the denoiser's cache needs) and `ar_loss` reads 0.
+
+Supervised fine-tuning (`data.sft`) puts prompts of different lengths in one batch: `prompt_length`
+[B] is where each row's canvases start, and an optional `num_canvases` [B] (<= n) says how many of the
+n canvas slots hold the row's response; the rest of the row is padding that no loss reads. The
+diffusion loss has terms at canvas positions only: the prompt is never noised and never a target, it
+only conditions the canvas through the clean cache.
+
+`diffusion_loss_weight=0` trains the encoder alone, an autoregressive baseline of the same size
+(configs/small_ar.py): the denoiser passes are then skipped, not multiplied by zero, so the baseline
+costs an AR model's compute, and the diffusion metrics read 0.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ class LossConfig:
   ar_loss_weight: float = 1.0
   diffusion_loss_weight: float = 1.0  # 0: the AR baseline (see the module docstring)
   all_canvases: bool = False
+  ar_loss_on_prompt: bool = True  # False: the AR loss covers the response (canvas) targets only
 
   def __post_init__(self):
     if not hasattr(self.noise, "corrupt"):
@@ -85,7 +96,8 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   Args:
     model: a `DiffusionGemma`.
     params: its variables (`{'params': ...}`), boxed or not.
-    batch: clean sequences; each row's canvases start at its `prompt_length`.
+    batch: clean sequences; each row's canvases start at its `prompt_length`; an optional
+      `num_canvases` [B] gives each row's canvases (default n for every row).
     rng: all randomness of the loss (t, corruption, canvas choice, self-conditioning rows).
     config: the objective.
     num_canvases: n, canvases per row after the prompt (static).
@@ -108,8 +120,21 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   noisy, corrupted = noise.corrupt(k_noise, clean, t[..., None])  # [B, n, C]
   weights = noise.loss_weights(corrupted, t[..., None])  # [B, n, C]
 
-  enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
-  ar_loss = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:]).mean()
+  rows = batch.get("num_canvases")
+  rows = jnp.full((b,), n, jnp.int32) if rows is None else jnp.clip(rows.astype(jnp.int32), 1, n)  # [B]
+  if config.ar_loss_weight == 0:
+    # No AR loss: the cache of the tokens before the last canvas slot is all the denoiser reads.
+    _, cache = model.apply(params, tokens[:, :-c], method=model.encode)
+    ar_loss = jnp.zeros((), jnp.float32)
+  else:
+    enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
+    target = jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[None]  # [1, L-1]: position of each target
+    ar_mask = target < (start + rows * c)[:, None]  # [B, L-1]
+    if not config.ar_loss_on_prompt:
+      ar_mask &= target >= start[:, None]
+    ar_mask = ar_mask.astype(jnp.float32)
+    ar_ce = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:])  # [B, L-1]
+    ar_loss = (ar_ce * ar_mask).sum() / jnp.maximum(ar_mask.sum(), 1.0)
   if config.diffusion_loss_weight == 0:  # the AR baseline: no denoiser pass at all
     zero = jnp.zeros((), jnp.float32)
     metrics = {"loss": config.ar_loss_weight * ar_loss, "diffusion_loss": zero, "diffusion_ce": zero,
@@ -120,11 +145,13 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     canvas = noisy.reshape(b, n * c)
     cache = cache.with_length(start)
     block_length = c
+    valid = (jnp.arange(n)[None] < rows[:, None])[..., None]  # [B, n, 1]
   else:
     if canvas_index is None:
-      canvas_index = jax.random.randint(k_canvas, (b,), 0, n)
+      canvas_index = jax.random.randint(k_canvas, (b,), 0, rows)
     pick = lambda x: jnp.take_along_axis(x, canvas_index[:, None, None], axis=1)  # [B, 1, C]
     clean, noisy, corrupted, weights = map(pick, (clean, noisy, corrupted, weights))
+    valid = jnp.ones((b, 1, 1), bool)
     canvas = noisy[:, 0]
     cache = cache.with_length(start + canvas_index.astype(jnp.int32) * c)
     block_length = None
@@ -142,17 +169,19 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     logits = denoise(None, None)
   logits = noise.prepare_logits(logits).reshape(*clean.shape, -1)  # [B, k, C, V]
   ce = _cross_entropy(logits, clean)  # [B, k, C]
-  loss_diffusion = (weights * ce).mean()
+  valid = jnp.broadcast_to(valid, ce.shape).astype(jnp.float32)  # [B, k, C]: canvases of the response
+  count = jnp.maximum(valid.sum(), 1.0)
+  loss_diffusion = (valid * weights * ce).sum() / count
   loss = config.diffusion_loss_weight * loss_diffusion + config.ar_loss_weight * ar_loss
 
   correct = (jnp.argmax(logits, -1) == clean).astype(jnp.float32)
-  corrupted = corrupted.astype(jnp.float32)
+  corrupted = corrupted.astype(jnp.float32) * valid
   metrics = {
       "loss": loss,
       "diffusion_loss": loss_diffusion,
-      "diffusion_ce": ce.mean(),
+      "diffusion_ce": (valid * ce).sum() / count,
       "ar_loss": ar_loss,
       "corrupted_accuracy": (correct * corrupted).sum() / jnp.maximum(corrupted.sum(), 1.0),
-      "corrupted_fraction": corrupted.mean(),
+      "corrupted_fraction": corrupted.sum() / count,
   }
   return loss, metrics

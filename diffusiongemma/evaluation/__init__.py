@@ -1,5 +1,6 @@
-"""Evaluation: validation loss and perplexity (`validation`), and the generative quality of samples
-(`evaluation.generative`, imported on its own: it loads data, checkpoints and samplers)."""
+"""Evaluation: validation loss and perplexity (`validation`); imported on their own, since they load data,
+checkpoints and samplers: the generative quality of samples (`evaluation.generative`) and task
+evaluations (`evaluation.sudoku`)."""
 
 from diffusiongemma.evaluation import validation
 

@@ -70,6 +70,8 @@ def get_tokenizer(config, workdir, model_cfg: ModelConfig, noise: noise_lib.Nois
   a tokenizer trained here gets at most that many pieces. Only process 0 trains it; the others wait for
   the file.
   """
+  if config.data.get("task", "lm") == "sudoku":  # a token-level task: no tokenizer (data.sudoku)
+    return None
   mask = noise.never_token
   vocab_size = int(config.data.vocab_size)
   if mask is not None and not config.data.tokenizer_path:
@@ -109,6 +111,11 @@ def make_dataset(config, workdir, tokenizer, model_cfg: ModelConfig, split: str,
   """
   shard_count = jax.process_count() if shard_count is None else shard_count
   shard_index = jax.process_index() if shard_index is None else shard_index
+  if config.data.get("task", "lm") != "lm":  # supervised fine-tuning: prompt/response pairs (data.sft)
+    return data_lib.sft.dataset_from_config(
+        config, split, tokenizer=tokenizer, canvas_length=model_cfg.canvas_length,
+        batch_size=config.train.batch_size // shard_count, shard_index=shard_index,
+        shard_count=shard_count, cache_dir=pathlib.Path(workdir) / CACHE_DIRNAME)
   return data_lib.make_dataset(
       load_split(config, split), tokenizer, prompt_length=config.data.prompt_length,
       canvas_length=model_cfg.canvas_length, num_canvases=config.data.num_canvases,

@@ -24,8 +24,13 @@ class NonFiniteError(FloatingPointError):
 
 def make_train_step(model, optimizer: optax.GradientTransformation, loss_config: loss_lib.LossConfig, *,
                     num_canvases: int, schedule: optax.Schedule | None = None,
-                    state_sharding=None, batch_sharding=None) -> Callable:
+                    state_sharding=None, batch_sharding=None, merge: Callable | None = None,
+                    frozen_sharding=None) -> Callable:
   """`step(state, batch) -> (state, metrics)`, jitted with the state donated.
+
+  With `merge` (LoRA, `training.lora`) the step is `step(state, batch, frozen)`: the loss sees the
+  variables `merge(frozen, state.params)` and only `state.params` (the adapters) are trained; `frozen`
+  (the base) is read only, never donated or updated; with `state_sharding`, `frozen_sharding` places it.
 
   With `state_sharding` (a TrainState of shardings, `state_shardings`) and `batch_sharding` (one
   NamedSharding for every batch array), the step keeps the state in those shardings, takes the batch
@@ -38,11 +43,12 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
   whether that is an error (`check_finite`).
   """
 
-  def step(state: TrainState, batch: Mapping[str, Array]):
+  def step(state: TrainState, batch: Mapping[str, Array], frozen=None):
     rng = jax.random.fold_in(state.rng, state.step)
 
     def loss_fn(params):
-      return loss_lib.diffusion_loss(model, params, batch, rng, loss_config, num_canvases=num_canvases)
+      variables = params if merge is None else merge(frozen, params)
+      return loss_lib.diffusion_loss(model, variables, batch, rng, loss_config, num_canvases=num_canvases)
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     metrics["grad_norm"] = optax.tree.norm(grads)
@@ -60,7 +66,8 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
   if state_sharding is None:
     return jax.jit(step, donate_argnums=0)
   replicated = jax.sharding.NamedSharding(batch_sharding.mesh, jax.P())
-  jitted = jax.jit(step, donate_argnums=0, in_shardings=(state_sharding, batch_sharding),
+  in_shardings = (state_sharding, batch_sharding) + ((frozen_sharding,) if merge is not None else ())
+  jitted = jax.jit(step, donate_argnums=0, in_shardings=in_shardings,
                    out_shardings=(state_sharding, replicated))
   return under_mesh(jitted, batch_sharding.mesh)
 
