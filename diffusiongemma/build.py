@@ -151,7 +151,8 @@ class Weights:
 def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = False, seed: int = 0,
          shardings=None) -> Weights:
   """The weights to run: a transformers checkpoint folder if given, else the latest checkpoint of the
-  training `workdir`, else (only with `random_init`) a random initialisation of `config.model`."""
+  training `workdir` (a LoRA run's adapters merged into its `config.train.init_from` weights), else (only
+  with `random_init`) a random initialisation of `config.model`."""
   if hf_checkpoint:
     from diffusiongemma import convert  # pylint: disable=g-import-not-at-top
     cfg, params = convert.load_hf(hf_checkpoint, shardings=shardings)
@@ -161,9 +162,18 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
   cfg = model_config(config)
   if workdir is not None and not random_init:
     from diffusiongemma.training import checkpoint  # pylint: disable=g-import-not-at-top
+    from diffusiongemma.training import loop  # pylint: disable=g-import-not-at-top
     if checkpoint.latest_step(workdir) is not None:
-      variables, step = checkpoint.load_params(workdir, shardings=shardings)
-      return Weights(cfg, variables, f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}")
+      lora_cfg = loop.lora_config(config)
+      if lora_cfg is None:
+        variables, step = checkpoint.load_params(workdir, shardings=shardings)
+        return Weights(cfg, variables, f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}")
+      from diffusiongemma.training import lora  # pylint: disable=g-import-not-at-top
+      adapters, step = checkpoint.load_params(workdir)
+      base = checkpoint.load_weights(config.train.init_from, shardings=shardings)
+      return Weights(cfg, lora.merge(base, adapters, lora_cfg),
+                     f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}: LoRA adapters (rank "
+                     f"{lora_cfg.rank}) merged into {config.train.init_from}")
   if not random_init:
     raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints: train first, or pass "
                             "--hf_checkpoint=<folder> or --random_init.")

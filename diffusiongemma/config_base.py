@@ -52,6 +52,11 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.train.async_checkpointing = True
   config.train.time_budget_s = 0.0  # stop (and save) after this many seconds of this run; 0: none
   config.train.seed = 0
+  # Fine-tuning: start from these weights (a training workdir's latest checkpoint or a transformers
+  # checkpoint folder; config.model must describe them) instead of a random initialisation.
+  config.train.init_from = ""
+  config.train.lora_rank = 0  # > 0: train LoRA adapters of this rank; the init_from weights stay frozen
+  config.train.lora_alpha = 16.0  # the adapters' update is lora_alpha / lora_rank x A @ B
 
   config.sampler = ml_collections.ConfigDict()
   config.sampler.max_denoising_steps = 48

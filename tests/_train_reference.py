@@ -34,7 +34,7 @@ def main(workdir, out, overrides):
   tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
   shards = [iter(inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "train", shard_index=i,
                                      shard_count=2)) for i in range(2)]
-  state = setup.init_fn()
+  state = setup.init_state()
   losses = []
   for _ in range(config.train.num_steps):
     parts = [next(shard) for shard in shards]

@@ -162,11 +162,11 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
 def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
   config = _config(corpus)
   setup = loop._Setup(config, tmp_path)
-  state = setup.init_fn()
+  state = setup.init_state()
   params = jax.tree.map(lambda x: x, state.params)
   params["params"]["embedder"]["input_embedding"] = params["params"]["embedder"]["input_embedding"].at[
       5].set(jnp.nan)
-  state = jax.device_put(state.replace(params=params), setup.state_shardings)
+  state = jax.device_put(state.replace(params=params), setup.programs.state_shardings)
   before = jax.device_get(state)
   batch = inputs.to_global({"tokens": np.full((4, 24), 5, np.int32),
                             "prompt_length": np.full((4,), 8, np.int32)}, setup.batch_sharding)
@@ -400,3 +400,37 @@ def test_two_processes_train_together_like_one(corpus, tmp_path):
         f"{max(np.abs(np.asarray(x) - want[f'param_{i}']).max() for i, x in enumerate(params)):.2e}")
   assert json.loads((workdir / "config.json").read_text())["train"]["num_steps"] == n
   assert [s for s, _ in _losses(workdir)] == list(range(1, n + 1))  # one record per step: one writer
+
+
+def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
+  """config.train.init_from starts a run from another run's weights; with lora_rank the base stays
+  bit-identical, only adapters are trained and checkpointed, and build.load merges them back."""
+  base_state = training.train(_config(corpus, **{"train.num_steps": 3}), tmp_path / "base")
+  base = jax.device_get(base_state.params)
+  full = _config(corpus, **{"train.num_steps": 1, "train.init_from": str(tmp_path / "base")})
+  setup = loop._Setup(full, tmp_path / "full")  # pylint: disable=protected-access
+  _assert_same_params(base, jax.device_get(setup.init_state().params))  # starts from the base's weights
+  tuned = training.train(full, tmp_path / "full")
+  assert int(tuned.step) == 1
+
+  lora = _config(corpus, **{"train.num_steps": 2, "train.init_from": str(tmp_path / "base"),
+                            "train.lora_rank": 2, "train.learning_rate": 1e-2, "train.warmup_steps": 0})
+  state = training.train(lora, tmp_path / "lora")
+  adapters = jax.device_get(state.params)
+  assert "lora_a" in adapters["layer_0"]["attn"]["q_einsum"] and "embedder" not in adapters
+  assert sum(x.size for x in jax.tree.leaves(adapters)) < sum(x.size for x in jax.tree.leaves(base)) / 4
+  params, step = training.load_params(tmp_path / "base")
+  _assert_same_params(base, params)  # the base was only read
+  weights = dg.build.load(lora, workdir=tmp_path / "lora")
+  assert "LoRA adapters (rank 2)" in weights.source
+  merged = dg.training.lora.merge(base, adapters, dg.training.lora.LoraConfig(rank=2, alpha=16.0))
+  _assert_same_params(jax.device_get(weights.variables), jax.device_get(merged))
+  q = lambda v: np.asarray(v["params"]["layer_0"]["attn"]["q_einsum"])
+  assert np.abs(q(weights.variables) - q(base)).max() > 0  # the adapters moved the weights
+  with pytest.raises(ValueError, match="lora_rank=2 trains adapters on frozen weights"):
+    loop.lora_config(_config(corpus, **{"train.lora_rank": 2}))
+  with pytest.raises(FileNotFoundError, match="init_from='/nowhere' is neither"):
+    training.train(_config(corpus, **{"train.init_from": "/nowhere"}), tmp_path / "bad")
+  wrong = _config(corpus, **{"train.init_from": str(tmp_path / "base"), "model.num_layers": 3})
+  with pytest.raises(ValueError, match="do not fit config.model"):
+    training.train(wrong, tmp_path / "wrong")

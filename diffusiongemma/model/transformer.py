@@ -216,16 +216,20 @@ class DiffusionGemma(nn.Module):
     return self.denoise(canvas, cache, self_conditioning_logits, self_conditioning_mask)
 
 
+def abstract_params(config: ModelConfig):
+  """The parameter tree's shapes and dtypes (`jax.ShapeDtypeStruct`s, unboxed): no memory allocated."""
+  model = DiffusionGemma(config)
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens, tokens))["params"])
+
+
 def count_parameters(config: ModelConfig) -> dict[str, int]:
   """Total parameters and parameters active per token (the k of E experts), via `jax.eval_shape`.
 
   The tied embedding is counted once in both; no memory is allocated. With a vision encoder, both
   include it, and `vision` counts it alone (tower and projection).
   """
-  model = DiffusionGemma(config)
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  shapes = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens, tokens))["params"])
-  flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  flat = jax.tree_util.tree_flatten_with_path(abstract_params(config))[0]
   total = sum(leaf.size for _, leaf in flat)
   experts = sum(leaf.size for path, leaf in flat if any(getattr(p, "key", None) == "experts" for p in path))
   active = total - experts + experts * config.top_k // config.num_experts

@@ -5,6 +5,8 @@ from diffusiongemma.training.checkpoint import config_mismatches
 from diffusiongemma.training.checkpoint import ConfigMismatchError
 from diffusiongemma.training.checkpoint import latest_step
 from diffusiongemma.training.checkpoint import load_params
+from diffusiongemma.training.checkpoint import load_weights
+from diffusiongemma.training import lora
 from diffusiongemma.training.loop import evaluate
 from diffusiongemma.training.loop import train
 from diffusiongemma.training.metrics import quiet_orbax_logs
@@ -33,6 +35,8 @@ __all__ = [
     "latest_step",
     "learning_rate_schedule",
     "load_params",
+    "load_weights",
+    "lora",
     "make_eval_step",
     "make_optimizer",
     "make_train_step",

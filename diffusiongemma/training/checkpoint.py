@@ -168,3 +168,37 @@ def load_params(workdir: os.PathLike | str, *, step: int | None = None, sharding
   restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
       item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
   return restored["params"], step
+
+
+def load_weights(source: os.PathLike | str, *, shardings=None, expected=None) -> Any:
+  """Variables `{'params': ...}` to start from (`config.train.init_from`): the latest checkpoint of a
+  training workdir, or a transformers checkpoint folder (`convert.load_hf`). `shardings`: a tree of
+  shardings like the variables; `expected`: their abstract shapes (e.g. of the configured model), checked
+  before anything is read, so that a checkpoint of another model fails with the first differing parameter
+  named."""
+  path = pathlib.Path(source)
+  if latest_step(path) is not None:
+    state = path.absolute() / CHECKPOINT_DIRNAME / str(latest_step(path)) / "state"
+    saved = ocp.PyTreeCheckpointer().metadata(state).item_metadata.tree["params"]
+    _check_fits(saved, expected, source)
+    return load_params(path, shardings=shardings)[0]
+  if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+    from diffusiongemma import convert  # pylint: disable=g-import-not-at-top
+    from diffusiongemma.model import transformer  # pylint: disable=g-import-not-at-top
+    cfg = convert.config_from_hf(json.loads((path / "config.json").read_text()))
+    _check_fits({"params": transformer.abstract_params(cfg)}, expected, source)
+    _, params = convert.load_hf(path, shardings=None if shardings is None else shardings["params"])
+    return {"params": params}
+  raise FileNotFoundError(f"config.train.init_from={str(source)!r} is neither a training workdir with "
+                          "checkpoints nor a transformers checkpoint folder (config.json + *.safetensors).")
+
+
+def _check_fits(have, want, source) -> None:
+  if want is None:
+    return
+  have = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(have)}
+  want = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(want)}
+  for key in sorted(set(have) | set(want)):
+    if have.get(key) != want.get(key):
+      raise ValueError(f"The weights in {str(source)!r} do not fit config.model: {key} is "
+                       f"{have.get(key, 'missing')} there, {want.get(key, 'absent')} in the model.")

@@ -19,6 +19,7 @@ checkpoints are written by all of them together, the config and metrics by proce
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -26,8 +27,11 @@ import signal
 import threading
 import time
 
+from collections.abc import Callable
+
 from absl import logging
 import jax
+import optax
 
 from diffusiongemma import _files
 from diffusiongemma import parallel
@@ -35,6 +39,7 @@ from diffusiongemma.evaluation import validation
 from diffusiongemma.model import DiffusionGemma
 from diffusiongemma.training import checkpoint as ckpt_lib
 from diffusiongemma.training import inputs
+from diffusiongemma.training import lora as lora_lib
 from diffusiongemma.training import metrics as metrics_lib
 from diffusiongemma.training import optim
 from diffusiongemma.training import state as state_lib
@@ -69,55 +74,124 @@ def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
   _files.atomic_write(workdir / ckpt_lib.CONFIG_FILENAME, json.dumps(config_json, indent=2, sort_keys=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+  """The model, optimizer and jitted programs of one training setup (see `_programs`)."""
+
+  model: DiffusionGemma
+  optimizer: optax.GradientTransformation
+  abstract_state: TrainState  # of what is trained: the model, or LoRA adapters
+  state_shardings: TrainState
+  params_shardings: dict  # of the model's variables (the frozen base with LoRA)
+  abstract_params: dict  # the model's variables' shapes
+  init_fn: Callable  # () -> TrainState; with LoRA (base) -> TrainState
+  train_step: Callable  # (state, batch) -> (state, metrics); with LoRA (state, batch, base)
+  eval_step: Callable  # (model variables, batch, rng) -> metrics
+  merge: Callable | None  # LoRA: (base, adapters) -> model variables, placed like the base
+
+
 @functools.lru_cache(maxsize=4)
-def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh, rules):
-  """Model, optimizer, schedule, abstract state, its shardings and the jitted steps, cached so that a
-  process calling `train` or `evaluate` again with the same configs (resuming, notebooks, tests)
-  compiles once."""
+def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh, rules, lora_cfg) -> _Programs:
+  """Model, optimizer, abstract state, shardings and the jitted steps, cached so that a process calling
+  `train` or `evaluate` again with the same configs (resuming, notebooks, tests) compiles once.
+
+  With `lora_cfg` what is trained is a state of LoRA adapters (replicated: they are small) on a frozen base
+  placed by the model's parameter shardings; evaluation runs on the merged model."""
   model = DiffusionGemma(model_cfg)
   train = dict(optimizer_items)
   optimizer = optim.make_optimizer(train)
   schedule = optim.learning_rate_schedule(train)
   batch_sharding = parallel.batch_sharding(mesh, ndim=1)
-  abstract_state = state_lib.abstract_train_state(model, optimizer, seed=seed)
-  shardings = state_lib.state_shardings(model, optimizer, mesh, seed=seed, rules=rules)
-  init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=shardings)
+  full_abstract = state_lib.abstract_train_state(model, optimizer, seed=seed)
+  full_shardings = state_lib.state_shardings(model, optimizer, mesh, seed=seed, rules=rules)
+  params_shardings = full_shardings.params
+  eval_step = step_lib.make_eval_step(model, validation.eval_loss_config(loss_cfg), num_canvases=num_canvases,
+                                      params_sharding=params_shardings, batch_sharding=batch_sharding)
+  if lora_cfg is None:
+    init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=full_shardings)
+    train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
+                                          schedule=schedule, state_sharding=full_shardings,
+                                          batch_sharding=batch_sharding)
+    return _Programs(model, optimizer, full_abstract, full_shardings, params_shardings, full_abstract.params,
+                     init_fn, train_step, eval_step, None)
+  create = lambda base: lora_lib.create_train_state(base, optimizer, lora_cfg, seed=seed)
+  abstract = jax.eval_shape(create, full_abstract.params)
+  shardings = jax.tree.map(lambda _: parallel.replicated(mesh), abstract)
+  init_fn = jax.jit(create, in_shardings=(params_shardings,), out_shardings=shardings)
   train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
                                         schedule=schedule, state_sharding=shardings,
-                                        batch_sharding=batch_sharding)
-  eval_step = step_lib.make_eval_step(model, validation.eval_loss_config(loss_cfg),
-                                      num_canvases=num_canvases, params_sharding=shardings.params,
-                                      batch_sharding=batch_sharding)
-  return model, optimizer, schedule, abstract_state, shardings, init_fn, train_step, eval_step
+                                        batch_sharding=batch_sharding, merge=lora_lib.merge_fn(lora_cfg),
+                                        frozen_sharding=params_shardings)
+  merge = jax.jit(lora_lib.merge_fn(lora_cfg), out_shardings=params_shardings)
+  return _Programs(model, optimizer, abstract, shardings, params_shardings, full_abstract.params, init_fn,
+                   train_step, eval_step, merge)
 
 
 class _Setup:
-  """What both train and evaluate build from a config: validated configs, model, data, shardings."""
+  """What both train and evaluate build from a config: validated configs, model, data, shardings, and
+  the weights fine-tuning starts from (`config.train.init_from`)."""
 
   def __init__(self, config, workdir):
     self.workdir = inputs.workdir_path(workdir)
     self.config_json = ckpt_lib.config_to_json(config)
     self.model_cfg, self.loss_cfg = inputs.validate(config)
+    self.lora_cfg = lora_config(config)
     self.num_canvases = config.data.num_canvases
     self.mesh = parallel.make_mesh(config.mesh)
     self.batch_sharding = parallel.batch_sharding(self.mesh, ndim=1)
     optimizer_items = tuple((k, config.train[k]) for k in optim.OPTIMIZER_FIELDS)
-    (self.model, self.optimizer, self.schedule, self.abstract_state, self.state_shardings, self.init_fn,
-     self.train_step, self.eval_step) = _programs(
-         self.model_cfg, self.loss_cfg, optimizer_items, self.num_canvases, config.train.seed, self.mesh,
-         parallel.logical_rules(config.mesh))
+    self.programs = _programs(self.model_cfg, self.loss_cfg, optimizer_items, self.num_canvases,
+                              config.train.seed, self.mesh, parallel.logical_rules(config.mesh), self.lora_cfg)
+    self.init_from = config.train.get("init_from", "")
+    self._base = None
+
+  @property
+  def base(self):
+    """The `init_from` weights, placed by the model's shardings (read once, when first needed)."""
+    if self._base is None and self.init_from:
+      self._base = ckpt_lib.load_weights(self.init_from, shardings=self.programs.params_shardings,
+                                         expected=self.programs.abstract_params)
+    return self._base
+
+  def init_state(self) -> TrainState:
+    """A fresh state: random, the `init_from` weights (with fresh optimizer moments), or LoRA adapters."""
+    if self.lora_cfg is not None:
+      return self.programs.init_fn(self.base)
+    state = self.programs.init_fn()
+    return state if self.base is None else state.replace(params=self.base)
+
+  def train_step(self, state, batch):
+    if self.lora_cfg is not None:
+      return self.programs.train_step(state, batch, self.base)
+    return self.programs.train_step(state, batch)
+
+  def model_variables(self, params):
+    """The variables of the model being trained: `params`, or with LoRA the base merged with them."""
+    return params if self.lora_cfg is None else self.programs.merge(self.base, params)
 
   def restore(self, checkpointer: ckpt_lib.Checkpointer, step: int):
     """The state of `step`, restored straight into its shardings (each process reads its shards)."""
-    abstract = ckpt_lib.abstract_with_sharding(self.abstract_state.to_dict(),
-                                               self.state_shardings.to_dict())
+    abstract = ckpt_lib.abstract_with_sharding(self.programs.abstract_state.to_dict(),
+                                               self.programs.state_shardings.to_dict())
     state, data_state, meta = checkpointer.restore(step, abstract)
     return TrainState(**state), data_state, meta
 
   def evaluate(self, config, params, val_dataset) -> dict:
     return validation.evaluate_params(
-        self.eval_step, params, iter(val_dataset), num_batches=config.train.eval_batches,
-        elbo=self.loss_cfg.noise.loss_is_elbo, to_global=lambda b: inputs.to_global(b, self.batch_sharding))
+        self.programs.eval_step, self.model_variables(params), iter(val_dataset),
+        num_batches=config.train.eval_batches, elbo=self.loss_cfg.noise.loss_is_elbo,
+        to_global=lambda b: inputs.to_global(b, self.batch_sharding))
+
+
+def lora_config(config) -> lora_lib.LoraConfig | None:
+  """`config.train`'s LoRA settings (None: full training), checked against `init_from`."""
+  rank = config.train.get("lora_rank", 0)
+  if not rank:
+    return None
+  if not config.train.get("init_from", ""):
+    raise ValueError(f"config.train.lora_rank={rank} trains adapters on frozen weights: set "
+                     "config.train.init_from to a training workdir or a transformers checkpoint folder.")
+  return lora_lib.LoraConfig(rank=rank, alpha=config.train.get("lora_alpha", 16.0))
 
 
 def train(config, workdir) -> TrainState:
@@ -143,7 +217,7 @@ def train(config, workdir) -> TrainState:
     elapsed = {"train_s": 0.0, "cpu_s": 0.0}
     main = parallel.is_main_process()
     if start_step is None:
-      state = setup.init_fn()
+      state = setup.init_state()
       if main:
         metrics_lib.truncate_metrics(workdir, -1)
     else:
