@@ -24,6 +24,7 @@ Recipe (found by experiment on the shared 2-core machine; see the branch's repor
 - No AR loss and no encoder pass over the response (`ar_loss_weight=0`): the denoiser only reads the
   prompt's cache, so a step encodes 82 tokens instead of 163 (a step costs ~2.2 instead of ~3.6 CPU
   seconds). The weights then cannot decode autoregressively; the AR comparison is `:ar`.
+- Sampling: entropy bound 0.03 (see `config.sampler` below); the released stopping rule and schedule.
 - Training puzzles: a cached pool of 2048 puzzles with 30 clues (~25 s to generate), each example
   under a random validity-preserving symmetry and with solution cells revealed up to U{30..45} clues.
   Held-out puzzles come from another seed stream (36-40 clues).
@@ -81,6 +82,10 @@ def get_config(arg=None):
   config.train.time_budget_s = 1620.0  # 27 minutes of steps; puzzle generation and compiling come on top
 
   config.sampler.max_new_tokens = sudoku.NUM_CELLS
+  # A tighter entropy bound than the released 0.1: a wrong cell accepted early is never revised (masked
+  # noise keeps it), so fewer, surer cells per pass solve more (measured on a 1000-step model: 0.03 ->
+  # 17.5% solved in 13.5 passes, 0.1 -> 8% in 9.9, 0.3 -> 2.5% in 7.2).
+  config.sampler.entropy_bound = 0.03
   config.sampler.stop_tokens = (sudoku.EOS,)
   config.sampler.prompt_bucket = 2  # the 82-token prompt is not padded to 128
 

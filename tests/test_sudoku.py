@@ -527,3 +527,21 @@ def test_train_and_solve_script_end_to_end(tmp_path):
     assert last.startswith("solved ") and "passes/puzzle" in last and "puzzles/s" in last
     stats = json.loads(out.stdout.strip().splitlines()[-2])
     assert stats["puzzles"] == 5 and 1 <= stats["passes_per_puzzle"] <= (81 if extra else 3)
+
+
+@pytest.mark.slow
+def test_sudoku_notebook_runs(tmp_path, monkeypatch):
+  """colabs/sudoku.ipynb end to end: brief training at an easy level, solving, the pass-by-pass grids."""
+  nbformat = pytest.importorskip("nbformat")
+  nbclient = pytest.importorskip("nbclient")
+  pytest.importorskip("ipykernel")
+  monkeypatch.setenv("DG_ROOT", str(ROOT))
+  monkeypatch.setenv("DG_SUDOKU_WORKDIR", str(tmp_path))
+  monkeypatch.setenv("DG_SUDOKU_STEPS", "20")
+  notebook = nbformat.read(ROOT / "colabs" / "sudoku.ipynb", as_version=4)
+  nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
+                          resources={"metadata": {"path": str(ROOT / "colabs")}}).execute()
+  text = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
+                 for o in cell.get("outputs", []))
+  assert "trained to step 20" in text and "denoiser passes per puzzle" in text and "noise masked" in text
+  assert "accepted per pass:" in text and "passes per puzzle:" in text
