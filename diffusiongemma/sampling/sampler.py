@@ -20,6 +20,7 @@ from diffusiongemma.diffusion import noise as noise_lib
 from diffusiongemma.model.attention import KVCache
 from diffusiongemma.sampling import prompts as prompts_lib
 from diffusiongemma.sampling import steps
+from diffusiongemma.sampling import vocab
 from diffusiongemma.sampling.config import SamplerConfig
 
 Array = jax.Array
@@ -111,6 +112,7 @@ class Sampler(prompts_lib.StaticArgument):
         max_denoising_steps=config.max_denoising_steps, t_max=config.t_max, t_min=config.t_min, noise=noise,
         acceptance=acceptance if acceptance is not None else build.acceptance_rule(config),
         stopping=stopping if stopping is not None else build.stopping_rule(config))
+    self.head = vocab.VocabHead.for_model(mc, noise.never_token, config.vocab_chunk_size)
 
   @property
   def noise(self) -> noise_lib.NoiseProcess:
@@ -191,9 +193,11 @@ class Sampler(prompts_lib.StaticArgument):
     return self.noise.initial_canvas(init_keys, self.canvas_length), step_keys
 
   def denoiser(self, variables, cache: KVCache) -> steps.Denoiser:
-    """The model's denoiser on a fixed cache, as the step wants it."""
+    """The model's denoiser on a fixed cache and its vocabulary head, as the step wants them."""
     model = self.model
-    return lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
+    hidden = lambda canvas, sc, mask: model.apply(variables, canvas, cache, None, mask, return_hidden=True,
+                                                  self_conditioning_embedding=sc, method=model.denoise)
+    return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table))
 
   def encode(self, variables, tokens: Array, cache: KVCache, num_tokens: Array | None = None) -> KVCache:
     """The cache after appending `tokens` [B, L] (the first `num_tokens` [B] of each row)."""
@@ -216,7 +220,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     k = loop.index
     start, step_keys = sampler.start_canvas(keys, k)
     start = jnp.where(k < num_given, jax.lax.dynamic_slice_in_dim(initial, k * c, c, axis=1), start)
-    state = steps.init_state(rules, start, loop.finished, mc.vocab_size)
+    state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype)
     state, step_trace = steps.denoise_canvas(rules, sampler.denoiser(variables, loop.cache), state,
                                              step_keys, return_trace)
     committed = state.argmax  # [B, C]
