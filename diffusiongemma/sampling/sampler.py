@@ -180,8 +180,8 @@ class Sampler(prompts_lib.StaticArgument):
                                           cached)
     b = prompt.shape[0]
     canvas, num_given = self._initial_canvas(initial_canvas, b, num_canvases)
-    if cache is not None:
-      cache = self._fit_cache(cache, b, prompt.shape[1] + num_canvases * self.canvas_length)
+    if cache is not None:  # the last canvas is never encoded
+      cache = self._fit_cache(cache, b, prompt.shape[1] + (num_canvases - 1) * self.canvas_length)
     return _program(self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
                     prompts_lib.row_keys(rng, b), cache, num_canvases=num_canvases,
                     return_trace=return_trace, return_cache=return_cache)
@@ -212,8 +212,8 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
   stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
-  if cache is None:
-    cache = KVCache.empty(mc, b, prompt.shape[1] + num_canvases * c)
+  if cache is None:  # room for the prompt and every canvas but the last, which is never encoded
+    cache = KVCache.empty(mc, b, prompt.shape[1] + (num_canvases - 1) * c)
   cache = sampler.encode(variables, prompt, cache, lengths)
 
   def canvas_body(loop: _CanvasLoop) -> _CanvasLoop:
