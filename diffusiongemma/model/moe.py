@@ -208,7 +208,7 @@ def _grouped(x, weights, experts, gating, linear):
   dest, tile_expert, used = _tile_layout(sorted_experts, sizes, tile, num_tiles)
   row_token = jnp.full((num_tiles * tile,), num_tokens, jnp.int32).at[dest].set(order // top_k)
   tiles = jnp.take(x, row_token, axis=0, mode="fill", fill_value=0).reshape(num_tiles, tile, dim)
-  gate_up = gating.reshape(num_experts, 2 * ffn, dim)
+  gate_up, linear = jnp.asarray(gating).reshape(num_experts, 2 * ffn, dim), jnp.asarray(linear)
 
   def run(rows, expert):  # [X, D] through one expert
     h = jnp.einsum("XD,GD->XG", rows, gate_up[expert]).reshape(tile, 2, ffn)

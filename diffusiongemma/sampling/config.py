@@ -54,7 +54,7 @@ class SamplerConfig:
   stopping: str = "stable"
   canvas_length: int | None = None
   prompt_bucket: int = 64
-  vocab_chunk_size: int | None = 8192
+  vocab_chunk_size: int | None = 1024
 
   def __post_init__(self):
     if self.stop_tokens is not None:

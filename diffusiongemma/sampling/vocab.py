@@ -75,8 +75,15 @@ def _chunk_running(scaled: Array, first: Array | int, table: Array | None) -> _R
   shifted = scaled - top[..., None]
   weights = jnp.exp(shifted)  # [B, C, U]
   return _Running(max=top, mass=jnp.sum(weights, axis=-1), spread=jnp.sum(weights * shifted, axis=-1),
-                  argmax=(jnp.argmax(scaled, axis=-1) + first).astype(jnp.int32),
+                  argmax=_first_max(scaled, top) + first,
                   rows=None if table is None else layers.weighted_rows(weights, table))
+
+
+def _first_max(x: Array, top: Array) -> Array:
+  """jnp.argmax(x, -1) given the max: the least index where x equals it. A min over a float iota runs
+  5-10x faster than XLA's CPU argmax (an index-carrying reduction); floats hold ids exactly below 2^24."""
+  ids = jnp.arange(x.shape[-1], dtype=jnp.float32)
+  return jnp.min(jnp.where(x == top[..., None], ids, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
 def _first_crossing(scaled: Array, first, log_normalizer: Array, argmax: Array, target: Array,
