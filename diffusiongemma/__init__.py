@@ -10,10 +10,11 @@ from diffusiongemma import model
 from diffusiongemma import parallel
 from diffusiongemma import sampling
 from diffusiongemma import training
+from diffusiongemma.chat import ChatSampler
 from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
 from diffusiongemma.sampling import ARSampler, Sampler, SamplerConfig
 
 __all__ = [
-    "ARSampler", "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "build", "chat",
+    "ARSampler", "ChatSampler", "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "build", "chat",
     "convert", "data", "diffusion", "evaluation", "model", "parallel", "sampling", "training",
 ]

@@ -9,7 +9,9 @@ all run the same model with the same diffusion process:
 - `sampler(config)`: `config.sampler` as a `Sampler` of the model, handed the same noise process (a model
   is always sampled with the noise it was trained with); `ar_sampler(config)` for token-by-token decoding;
 - `load(config, workdir=...)`: the weights to run (a training checkpoint, a transformers folder, or a
-  random initialisation), with the model config that goes with them.
+  random initialisation), with the model config that goes with them;
+- `pretrained(folder)`: a transformers checkpoint folder alone (no config) as weights, its tokenizer and
+  a sampler with its generation defaults and a preset.
 
 Config strings map to the diffusion objects in the tables below: a new rule is a new class and a row here.
 """
@@ -166,6 +168,60 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
     raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints: train first, or pass "
                             "--hf_checkpoint=<folder> or --random_init.")
   return Weights(cfg, random_variables(cfg, seed), f"random initialisation (seed {seed})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pretrained:
+  """What `pretrained` returns: the weights, the checkpoint's tokenizer, a sampler with its generation
+  defaults, the reply length they name (None when they name none) and the folder."""
+
+  weights: Weights
+  tokenizer: Any
+  sampler: Any
+  max_new_tokens: int | None
+  folder: str
+
+
+def pretrained(folder, *, preset: str = "default", dtype: str | None = "bfloat16", shardings: Any = "local",
+               model_overrides=None, **sampler_overrides) -> Pretrained:
+  """A transformers checkpoint folder, with no config: what chatting with or sampling from it needs.
+
+  tokenizer: `tokenizer.json` / `tokenizer.model` (`data.hf_tokenizer.CheckpointTokenizer`). sampler:
+  `SamplerConfig()` changed by the folder's generation_config.json, then the named `preset`, then
+  `sampler_overrides` (`sampling.presets.sampler_config`); uniform noise, the released model's. weights:
+  `convert.load_hf` cast to `dtype` as they are read (None: the checkpoint's own), which is then also the
+  compute dtype, and placed by `shardings` ("local": over every local device, `convert.mesh_shardings()`;
+  None: not placed; or `load_hf`'s argument). `model_overrides`: ModelConfig fields for `load_hf`.
+  The tokenizer, the preset and config.json are checked before any weight is read.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  from diffusiongemma import convert  # pylint: disable=g-import-not-at-top
+  from diffusiongemma.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+  from diffusiongemma.sampling import presets  # pylint: disable=g-import-not-at-top
+  from diffusiongemma.sampling.sampler import Sampler  # pylint: disable=g-import-not-at-top
+
+  path = pathlib.Path(folder)
+  if not path.is_dir():
+    raise FileNotFoundError(f"Checkpoint folder {str(path)!r} does not exist.")
+  tokenizer = hf_tokenizer.CheckpointTokenizer(path)
+  sampler_cfg, max_new_tokens = presets.sampler_config(path, preset, **sampler_overrides)
+  overrides = dict(model_overrides or {})
+  if (path / "config.json").is_file():
+    cfg = convert.config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+    if tokenizer.vocab_size > cfg.vocab_size:
+      raise ValueError(f"The tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
+                       f"model's vocabulary of {cfg.vocab_size} (config.json).")
+  if isinstance(shardings, str):
+    if shardings != "local":
+      raise ValueError(f"shardings={shardings!r}: use 'local', None, or load_hf's shardings argument.")
+    shardings = convert.mesh_shardings()
+  cfg, params = convert.load_hf(path, dtype=dtype, shardings=shardings, **overrides)
+  if dtype is not None:
+    cfg = cfg.replace(dtype=str(jnp.dtype(dtype)), param_dtype=str(jnp.dtype(dtype)))
+  weights = Weights(cfg, {"params": params}, f"transformers checkpoint {path}")
+  return Pretrained(weights, tokenizer, Sampler(DiffusionGemma(cfg), sampler_cfg), max_new_tokens, str(path))
 
 
 def workdir_config(workdir):

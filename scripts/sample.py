@@ -4,14 +4,19 @@ r"""Samples from a DiffusionGemma model and prints the text and the sampler's st
       --show_steps
   python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --random_init \
       --prompt_file prompts.txt --batch_size 4 --autoregressive
-  python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg --hf_checkpoint /path/to/hf_folder
+  python scripts/sample.py --hf_checkpoint /path/to/hf_folder --prompt "The capital of France is"
+  python scripts/sample.py --hf_checkpoint /path/to/hf_folder --image photo.jpg --prompt "This picture shows"
 
-Weights: --hf_checkpoint (a transformers folder) when given, else the latest checkpoint in
---workdir/checkpoints, else (only with --random_init) a random initialisation. The tokenizer is
-config.data.tokenizer_path or --workdir/tokenizer.model (trained on the corpus if missing). The model, the
-noise (config.diffusion.noise: what the model was trained with) and the sampler settings (config.sampler,
-overridden as --config.sampler.max_denoising_steps=16) come from `build`, as in every binary. The first
-call compiles; the reported speed is a second call with the same shapes, so compile time is reported apart.
+A transformers checkpoint folder (--hf_checkpoint) alone is enough: its tokenizer, its generation defaults
+(generation_config.json) changed by --preset, and its weights cast to --dtype over every local device
+(`build.pretrained`); with --config too, config.sampler replaces the generation defaults. Otherwise
+--config and --workdir: the latest checkpoint in --workdir/checkpoints, else (only with --random_init) a
+random initialisation; the tokenizer is config.data.tokenizer_path or --workdir/tokenizer.model (trained on
+the corpus if missing); the model, the noise (config.diffusion.noise: what the model was trained with) and
+the sampler settings (config.sampler, overridden as --config.sampler.max_denoising_steps=16) come from
+`build`, as in every binary. Prompts are plain text after bos (no chat format: scripts/chat.py has it);
+--image (repeatable) puts the images before every prompt (a model with a vision encoder). The first call
+compiles; the reported speed is a second call with the same shapes, so compile time is reported apart.
 """
 
 import pathlib
@@ -24,6 +29,7 @@ from ml_collections import config_flags
 import diffusiongemma as dg
 from diffusiongemma import benchmarks
 from diffusiongemma import build
+from diffusiongemma.data import images as images_lib
 from diffusiongemma.sampling import stats
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
@@ -37,7 +43,10 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "New tokens; 0: config.samp
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _SHOW_STEPS = flags.DEFINE_bool("show_steps", False, "Print the argmax canvas of every denoising step.")
 _AR = flags.DEFINE_bool("autoregressive", False, "Also decode greedily token by token, for comparison.")
-flags.mark_flags_as_required(["config", "workdir"])
+_PRESET = flags.DEFINE_string("preset", "default", "With --hf_checkpoint alone: default, code or creative.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
+_IMAGE = flags.DEFINE_multi_string("image", [], "An image file placed before every prompt (repeatable).")
+_IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
 
 
 def _prompts(prompt, prompt_file) -> list[str]:
@@ -50,26 +59,57 @@ def _prompts(prompt, prompt_file) -> list[str]:
   return texts
 
 
+def _load():
+  """(weights, tokenizer, sampler, AR sampler, max_new_tokens) from the flags."""
+  config = _CONFIG.value
+  if _HF.value:
+    loaded = build.pretrained(_HF.value, preset=_PRESET.value, dtype=_DTYPE.value)
+    weights, cfg = loaded.weights, loaded.weights.model_config
+    if config is None:
+      sampler = loaded.sampler
+      ar_sampler = dg.ARSampler(sampler.model, stop_tokens=sampler.stop_tokens,
+                                prompt_bucket=sampler.config.prompt_bucket)
+      return weights, loaded.tokenizer, sampler, ar_sampler, _MAX_NEW.value or loaded.max_new_tokens or 256
+    sampler, ar_sampler = build.sampler(config, cfg), build.ar_sampler(config, cfg)
+    return weights, loaded.tokenizer, sampler, ar_sampler, _MAX_NEW.value or build.max_new_tokens(config)
+  if config is None or not _WORKDIR.value:
+    raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --config and --workdir.")
+  weights = build.load(config, workdir=_WORKDIR.value, random_init=_RANDOM.value, seed=_SEED.value)
+  cfg = weights.model_config
+  return (weights, build.tokenizer(config, _WORKDIR.value), build.sampler(config, cfg),
+          build.ar_sampler(config, cfg), _MAX_NEW.value or build.max_new_tokens(config))
+
+
+def _with_images(prompts: list[list[int]], cfg):
+  """(prompts with the --image placeholders after bos, expanded; the images of every row, or None)."""
+  if not _IMAGE.value:
+    return prompts, None
+  if cfg.vision is None:
+    raise app.UsageError(f"--image={_IMAGE.value}: this model has no vision encoder.")
+  geometry = dict(patch_size=cfg.vision.patch_size, pooling_kernel_size=cfg.vision.pooling_kernel_size)
+  processed = [images_lib.preprocess(path, _IMAGE_BUDGET.value, **geometry) for path in _IMAGE.value]
+  counts = [image.num_soft_tokens for image in processed]
+  placeholders = [cfg.image_id] * len(processed)
+  prompts = [images_lib.expand_image_placeholders(p[:1] + placeholders + p[1:], counts, cfg) for p in prompts]
+  pixel_values, position_ids, _ = images_lib.stack(processed * len(prompts))  # row 0's images first
+  return prompts, (pixel_values, position_ids)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   dg.training.quiet_orbax_logs()
-  config = _CONFIG.value
-  weights = build.load(config, workdir=_WORKDIR.value, hf_checkpoint=_HF.value, random_init=_RANDOM.value,
-                       seed=_SEED.value)
+  weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config
-  tokenizer = build.tokenizer(config, _WORKDIR.value)
-  sampler, ar_sampler = build.sampler(config, cfg), build.ar_sampler(config, cfg)
-  max_new = _MAX_NEW.value or build.max_new_tokens(config)
   print(f"weights: {weights.source}; sampler: {stats.describe(sampler.settings())}")
   texts = _prompts(_PROMPT.value, _PROMPT_FILE.value)
   size = _BATCH.value or len(texts)
   for b, start in enumerate(range(0, len(texts), size)):
     batch = texts[start:start + size]
-    prompts = [[tokenizer.bos_id] + tokenizer.encode(t) for t in batch]
+    prompts, images = _with_images([[tokenizer.bos_id] + tokenizer.encode(t) for t in batch], cfg)
     rng = jax.random.key(_SEED.value + b)
     timing = benchmarks.time_call(sampler.generate, weights.variables, prompts, rng, max_new,
-                                  return_trace=_SHOW_STEPS.value)
+                                  return_trace=_SHOW_STEPS.value, images=images)
     out = timing.output
     for i, text in enumerate(batch):
       ids = stats.new_tokens(out.tokens[i], sampler.stop_tokens, cfg.pad_id)
@@ -78,7 +118,9 @@ def main(argv):
         print("\n".join(stats.format_steps(out, tokenizer.decode, i, sampler.noise.never_token)))
     summary = stats.summary(out.tokens, out.canvas_passes, cfg.pad_id, timing.median)
     print(f"diffusion: {stats.describe(summary)}; compile {timing.compile_seconds:.2f} s")
-    if _AR.value:
+    if _AR.value and images is not None:
+      print("autoregressive: skipped (the AR sampler takes no images)")
+    elif _AR.value:
       ar = benchmarks.time_call(ar_sampler.generate, weights.variables, prompts, rng, max_new)
       count = int(stats.new_token_counts(ar.output.tokens, cfg.pad_id).sum())
       print(f"autoregressive (greedy): {count} tokens, {count / ar.median:.1f} tokens/s, 1 token per forward; "

@@ -85,6 +85,38 @@ def prepare(cfg: ModelConfig, prompt_tokens, prompt_lengths, new_positions: int,
   return jnp.asarray(prompt, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
+def check_images(cfg: ModelConfig, images, prompt: Array, lengths: Array) -> tuple[Array, Array] | None:
+  """`images` = (pixel_values [N, P, 3 * patch^2], image_position_ids [N, P, 2]) as arrays, checked against
+  the model and against the image placeholders of the prompts [B, L] (their first `lengths` [B] tokens)."""
+  placeholders = None
+  if cfg.vision is not None:
+    real = np.arange(prompt.shape[1])[None] < np.asarray(lengths)[:, None]
+    placeholders = int(np.sum((np.asarray(prompt) == cfg.image_id) & real))
+  if images is None:
+    if placeholders:
+      raise ValueError(f"The prompts hold {placeholders} image soft-token placeholders (token {cfg.image_id}) "
+                       "but no images were given.")
+    return None
+  if cfg.vision is None:
+    raise ValueError("images were given, but this model has no vision encoder (ModelConfig.vision=None).")
+  if not isinstance(images, (tuple, list)) or len(images) != 2:
+    raise ValueError("images must be a pair (pixel_values [N, P, 3 * patch^2], image_position_ids [N, P, 2]), "
+                     f"e.g. from data.images.stack; got {type(images).__name__}.")
+  pixel_values, position_ids = np.asarray(images[0]), np.asarray(images[1])
+  patch = cfg.vision.patch_size
+  if (pixel_values.ndim != 3 or pixel_values.shape[-1] != 3 * patch * patch
+      or position_ids.shape != pixel_values.shape[:2] + (2,)):
+    raise ValueError(f"images have pixel_values {pixel_values.shape} and position ids {position_ids.shape}; "
+                     f"expected [N, P, {3 * patch * patch}] and [N, P, 2] (patches of {patch} pixels).")
+  real_patches = np.sum(~np.all(position_ids == -1, axis=-1), axis=-1)  # [N]
+  soft = int(np.sum(real_patches // cfg.vision.pooling_kernel_size**2))
+  if soft != placeholders:
+    raise ValueError(f"The prompts hold {placeholders} image soft-token placeholders (token {cfg.image_id}) but "
+                     f"the {pixel_values.shape[0]} images have {soft} soft tokens: expand one placeholder per "
+                     "image with data.images.expand_image_placeholders.")
+  return jnp.asarray(pixel_values, jnp.float32), jnp.asarray(position_ids, jnp.int32)
+
+
 def check_max_new_tokens(max_new_tokens) -> int:
   if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
       or max_new_tokens < 1):

@@ -165,13 +165,17 @@ class Sampler(prompts_lib.StaticArgument):
   # ---------------------------------------------------------------------------------------- generate
   def generate(self, params, prompt_tokens, rng, max_new_tokens: int = 256, prompt_lengths=None,
                initial_canvas=None, *, cache: KVCache | None = None, return_cache: bool = False,
-               return_trace: bool = False) -> SampleOutput:
+               return_trace: bool = False, images=None) -> SampleOutput:
     """Generates ceil(max_new_tokens / C) canvases after each prompt.
 
     prompt_tokens [B, L] (right-padded when `prompt_lengths` [B] is given, or a list of token lists);
     rng: one key (split per row) or [B] keys; initial_canvas [B, k * C]: the starting tokens of the first
     k canvases (instead of the noise's), e.g. the reference's `decoder_input_ids`. `cache`: a KV cache
     (of an earlier call with `return_cache=True`) the prompt continues: only the prompt is encoded.
+    `images`: (pixel_values [N, P, 3 * patch^2], image_position_ids [N, P, 2]) of every image of the
+    batch, row 0's first (`data.images.stack`), for a model with a vision encoder; their soft tokens fill
+    the prompts' expanded `image_id` placeholders (`data.images.expand_image_placeholders`), in order, at
+    the prompt's encoding only. Rows without placeholders batch with rows that have some.
     """
     num_canvases = math.ceil(prompts_lib.check_max_new_tokens(max_new_tokens) / self.canvas_length)
     cached = 0 if cache is None else int(jnp.max(cache.length))
@@ -182,8 +186,9 @@ class Sampler(prompts_lib.StaticArgument):
     canvas, num_given = self._initial_canvas(initial_canvas, b, num_canvases)
     if cache is not None:  # the last canvas is never encoded
       cache = self._fit_cache(cache, b, prompt.shape[1] + (num_canvases - 1) * self.canvas_length)
+    images = prompts_lib.check_images(self.model.config, images, prompt, lengths)
     return _program(self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
-                    prompts_lib.row_keys(rng, b), cache, num_canvases=num_canvases,
+                    prompts_lib.row_keys(rng, b), cache, images, num_canvases=num_canvases,
                     return_trace=return_trace, return_cache=return_cache)
 
   def start_canvas(self, keys: Array, canvas_index) -> tuple[Array, Array]:
@@ -199,22 +204,25 @@ class Sampler(prompts_lib.StaticArgument):
                                                   self_conditioning_embedding=sc, method=model.denoise)
     return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table))
 
-  def encode(self, variables, tokens: Array, cache: KVCache, num_tokens: Array | None = None) -> KVCache:
-    """The cache after appending `tokens` [B, L] (the first `num_tokens` [B] of each row)."""
+  def encode(self, variables, tokens: Array, cache: KVCache, num_tokens: Array | None = None,
+             images: tuple[Array, Array] | None = None) -> KVCache:
+    """The cache after appending `tokens` [B, L] (the first `num_tokens` [B] of each row), with the soft
+    tokens of `images` (pixel values, position ids) in their placeholders."""
     model = self.model
+    pixel_values, position_ids = (None, None) if images is None else images
     return model.apply(variables, tokens, cache, num_tokens=num_tokens, return_hidden=True,
-                       method=model.encode)[1]
+                       pixel_values=pixel_values, image_position_ids=position_ids, method=model.encode)[1]
 
 
 @functools.partial(jax.jit, static_argnames=("sampler", "num_canvases", "return_trace", "return_cache"))
-def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, *,
+def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, images, *,
              num_canvases: int, return_trace: bool, return_cache: bool) -> SampleOutput:
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
   stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
   if cache is None:  # room for the prompt and every canvas but the last, which is never encoded
     cache = KVCache.empty(mc, b, prompt.shape[1] + (num_canvases - 1) * c)
-  cache = sampler.encode(variables, prompt, cache, lengths)
+  cache = sampler.encode(variables, prompt, cache, lengths, images)
 
   def canvas_body(loop: _CanvasLoop) -> _CanvasLoop:
     k = loop.index

@@ -49,11 +49,14 @@ class Rules:
 class Denoiser:
   """The model on a fixed cache, as a step uses it: `hidden(canvas [B, C], self-conditioning embedding
   [B, C, D], its row mask [B]) -> final hidden states [B, C, D]`, and the vocabulary head with its table
-  (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it)."""
+  (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it).
+  `on_pass(stats, has_self_conditioning [B])`, if given, is called in the program after each pass (e.g. a
+  `jax.debug.callback` showing live drafts); it cannot change the step."""
 
   hidden: Callable[[Array, Array, Array], Array]
   head: vocab.VocabHead
   table: Array
+  on_pass: Callable[[acceptance_lib.TokenStats, Array], None] | None = None
 
 
 @flax.struct.dataclass
@@ -140,6 +143,8 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc)  # [B, C, D]
   head = denoiser.head(denoiser.table, hidden, temp, uniforms)
   stats = head.stats
+  if denoiser.on_pass is not None:
+    denoiser.on_pass(stats, state.has_sc)
   committed = stats.argmax  # [B, C]: the canvas a constraint would choose instead
   accepted = rules.acceptance(stats, ~state.fixed)
   done = state.done
