@@ -52,7 +52,8 @@ _DEFAULT_BATCH_SIZES = flags.DEFINE_list("default_batch_sizes", ["1", "8"],
                                          "Batch sizes of the runs at the released defaults (48 steps).")
 _STEPS = flags.DEFINE_integer("steps", 16, "Fixed denoising steps per canvas.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed calls per figure after a first call (median).")
-_THREADS = flags.DEFINE_integer("threads", 2, "torch.set_num_threads for transformers.")
+_THREADS = flags.DEFINE_list("threads", ["2"], "torch.set_num_threads for transformers: each value is a run "
+                             "of transformers (on a busy machine 2 threads can be slower than 1).")
 _QUICK = flags.DEFINE_bool("quick", False, "Batch 1 only, one repeat, no defaults run.")
 _OUTPUT = flags.DEFINE_string("output", "workdir/benchmark_vs_transformers.json", "Where the JSON goes.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Folder for the random transformers checkpoint "
@@ -73,8 +74,10 @@ def _transformers_model(path: pathlib.Path):
   return hf_reference, hf_reference.make_tiny_hf(path, seed=0, attn_implementation="sdpa", **MODEL)
 
 
-def _hf_generate(hf_reference, model, prompts, kwargs, repeats):
+def _hf_generate(hf_reference, model, prompts, kwargs, repeats, threads):
   """(median seconds, passes per canvas) of transformers' generate after one warm-up call."""
+  import torch  # pylint: disable=g-import-not-at-top  (test-only dependency)
+  torch.set_num_threads(threads)
   hf_reference.generate(model, prompts, **kwargs)
   times = []
   for _ in range(repeats):
@@ -110,27 +113,42 @@ def _bf16(cfg, params, prompts, steps_config, repeats):
   return out
 
 
-def _breakdown(sampler, params, prompts, gen_seconds, num_steps, peak, repeats):
-  parts = benchmarks.step_breakdown(sampler, params, prompts, repeats=max(repeats, 3))
-  per_step = gen_seconds / num_steps
+def _breakdown(model, params, prompts, num_steps, peak, repeats):
+  """The step taken apart (standalone pieces, fastest of their runs), and the generation's time outside
+  its steps: a call with 2N fixed steps minus one with N gives the marginal cost of N steps inside the
+  compiled program; the rest of a call (prompt encoding, loop set-up, transfers) is what remains."""
+  times = {}
+  for n in (num_steps, 2 * num_steps):
+    sampler = dg.Sampler(model, dg.SamplerConfig(max_denoising_steps=n, stopping="fixed", stop_tokens=()))
+    times[n] = benchmarks.time_call(sampler.generate, params, prompts, jax.random.key(1), NEW_TOKENS,
+                                    repeats=max(repeats, 3)).best
+  in_program = (times[2 * num_steps] - times[num_steps]) / num_steps
+  parts = benchmarks.step_breakdown(dg.Sampler(model, dg.SamplerConfig(
+      max_denoising_steps=num_steps, stopping="fixed", stop_tokens=())), params, prompts,
+                                    repeats=max(repeats, 3))
   denoiser = parts["denoiser_seconds"] + parts["head_seconds"]
-  return {"batch_size": int(prompts.shape[0]), **parts, "generate_seconds_per_step": per_step,
+  rest = max(times[num_steps] - num_steps * in_program, 0.0)
+  return {"batch_size": int(prompts.shape[0]), **parts, "step_in_program_seconds": in_program,
+          "generate_seconds": times[num_steps], "rest_seconds": rest,
           "mfu": parts["useful_flops"] / denoiser / peak, "xla_mfu": parts["xla_flops"] / denoiser / peak,
           "denoiser_fraction": min(denoiser / parts["step_seconds"], 1.0),
           "sampling_fraction": max(1.0 - denoiser / parts["step_seconds"], 0.0),
-          "rest_fraction": max(1.0 - parts["step_seconds"] / per_step, 0.0)}
+          "rest_fraction": rest / times[num_steps]}
 
 
 def _table(results: dict) -> str:
   m = results["machine"]
-  lines = [f"{results['model']['description']}; {m['processor']}, {m['devices']} JAX device(s), torch "
-           f"{m['threads']} threads; matmul peak measured here {m['matmul_peak_gflops']:.0f} GFLOP/s.", "",
-           "| steps | batch | ours tok/s | transformers tok/s | ours / transformers | passes per canvas (ours, theirs) |",
-           "|---" * 6 + "|"]
+  threads = m["torch_threads"]
+  lines = [f"{results['model']['description']}; {m['processor']}, {m['devices']} JAX device(s); matmul peak "
+           f"measured in this run {m['matmul_peak_gflops']:.0f} GFLOP/s.", "",
+           "| steps | batch | ours tok/s | " + " | ".join(f"transformers tok/s ({t} thr.) | ours / transformers "
+                                                        f"({t} thr.)" for t in threads) + " | passes per canvas |",
+           "|---" * (4 + 2 * len(threads)) + "|"]
   for r in results["runs"]:
-    lines.append(f"| {r['kind']} | {r['batch_size']} | {r['ours_tokens_per_second']:.0f} | "
-                 f"{r['hf_tokens_per_second']:.0f} | **{r['ratio']:.2f}x** | {r['ours_passes_per_canvas']:.0f}, "
-                 f"{r['hf_passes_per_canvas']:.0f} |")
+    cells = " | ".join(f"{r[f'hf{t}_tokens_per_second']:.0f} | **{r[f'ratio{t}']:.2f}x**" for t in threads)
+    passes = ", ".join(f"{r[k]:.0f}" for k in ["ours_passes_per_canvas"] + [f"hf{t}_passes_per_canvas"
+                                                                           for t in threads])
+    lines.append(f"| {r['kind']} | {r['batch_size']} | {r['ours_tokens_per_second']:.0f} | {cells} | {passes} |")
   lines += ["", "| batch | denoiser MFU (XLA count) | denoiser + head | sampling and acceptance | the rest | "
             "head / bare LM head | AR tok/s | diffusion / AR |", "|---" * 8 + "|"]
   ar = {r["batch_size"]: r for r in results["ar"]}
@@ -153,8 +171,6 @@ def _table(results: dict) -> str:
 
 def main(argv):
   del argv
-  import torch  # pylint: disable=g-import-not-at-top  (test-only dependency)
-  torch.set_num_threads(_THREADS.value)
   quick = _QUICK.value
   repeats = 1 if quick else _REPEATS.value
   batch_sizes = [1] if quick else [int(b) for b in _BATCH_SIZES.value]
@@ -163,6 +179,7 @@ def main(argv):
   folder.mkdir(parents=True, exist_ok=True)
   hf_reference, hf_model = _transformers_model(folder)
   cfg, params = dg.convert.load_hf(folder, vision=None)
+  params = jax.device_put(params)  # load_hf gives host arrays: keep them from being copied at every call
   model = dg.DiffusionGemma(cfg)
   counts = dg.model.count_parameters(cfg)
   rng = np.random.default_rng(0)
@@ -179,7 +196,8 @@ def main(argv):
                 "total_parameters": counts["total"], "active_parameters": counts["active"],
                 **{k: v for k, v in cfg.to_dict().items() if k != "vision"}},
       "machine": {"backend": jax.default_backend(), "devices": jax.device_count(),
-                  "processor": platform.processor() or platform.machine(), "threads": _THREADS.value},
+                  "processor": platform.processor() or platform.machine(),
+                  "torch_threads": [int(t) for t in _THREADS.value]},
       "settings": {"fixed": dg.Sampler(model, fixed_cfg).settings(),
                    "defaults": dg.Sampler(model, default_cfg).settings(),
                    "transformers_fixed": hf_fixed, "transformers_defaults": hf_default,
@@ -195,13 +213,15 @@ def main(argv):
     for b in batches:
       prompts = rng.integers(3, cfg.vocab_size, (b, PROMPT_LENGTH))
       timing, ours_passes = _ours(sampler, params, prompts, repeats)
-      hf_seconds, hf_passes = _hf_generate(hf_reference, hf_model, prompts, hf_kwargs, repeats)
       row = {"kind": label, "batch_size": b, "ours_seconds": timing.median,
-             "ours_compile_seconds": timing.compile_seconds, "hf_seconds": hf_seconds,
-             "ours_tokens_per_second": b * NEW_TOKENS / timing.median,
-             "hf_tokens_per_second": b * NEW_TOKENS / hf_seconds, "ours_passes_per_canvas": ours_passes,
-             "hf_passes_per_canvas": hf_passes}
-      row["ratio"] = row["ours_tokens_per_second"] / row["hf_tokens_per_second"]
+             "ours_compile_seconds": timing.compile_seconds,
+             "ours_tokens_per_second": b * NEW_TOKENS / timing.median, "ours_passes_per_canvas": ours_passes}
+      for threads in (int(t) for t in _THREADS.value):
+        hf_seconds, hf_passes = _hf_generate(hf_reference, hf_model, prompts, hf_kwargs, repeats, threads)
+        row[f"hf{threads}_seconds"] = hf_seconds
+        row[f"hf{threads}_tokens_per_second"] = b * NEW_TOKENS / hf_seconds
+        row[f"hf{threads}_passes_per_canvas"] = hf_passes
+        row[f"ratio{threads}"] = row["ours_tokens_per_second"] / row[f"hf{threads}_tokens_per_second"]
       results["runs"].append(row)
       print(json.dumps(row), flush=True)
       if kind == "fixed":
@@ -210,8 +230,7 @@ def main(argv):
         results["ar"].append({"batch_size": b, "seconds": ar.median,
                               "tokens_per_second": b * NEW_TOKENS / ar.median})
         peaks.append(benchmarks.matmul_peak_flops(2048, repeats=5))
-        results["breakdown"].append(_breakdown(sampler, params, prompts, timing.median, _STEPS.value,
-                                               max(peaks), repeats))
+        results["breakdown"].append(_breakdown(model, params, prompts, _STEPS.value, max(peaks), repeats))
         print(json.dumps(results["breakdown"][-1]), flush=True)
   for b in ([1] if quick else [1, 8]):
     results["bf16"].append(_bf16(cfg, params, rng.integers(3, cfg.vocab_size, (b, PROMPT_LENGTH)), fixed_cfg,

@@ -99,9 +99,9 @@ class Attention(nn.Module):
   def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
     """Queries [B, L, N, H], keys and values [B, L, K, H] of x at the given positions."""
     dt = jnp.dtype(self.config.dtype)
-    q = jnp.einsum("BLD,NDH->BLNH", x, self.q_einsum.astype(dt))
-    k_raw = jnp.einsum("BLD,KDH->BLKH", x, self.k_einsum.astype(dt))
-    v_raw = k_raw if self.shares_kv else jnp.einsum("BLD,KDH->BLKH", x, self.v_einsum.astype(dt))
+    q = layers.einsum("BLD,NDH->BLNH", x, self.q_einsum, dt)
+    k_raw = layers.einsum("BLD,KDH->BLKH", x, self.k_einsum, dt)
+    v_raw = k_raw if self.shares_kv else layers.einsum("BLD,KDH->BLKH", x, self.v_einsum, dt)
     q = layers.apply_rope(self._query_norm(q), positions, self.inv_freq)
     k = layers.apply_rope(self._key_norm(k_raw), positions, self.inv_freq)
     v = layers.rms_norm(v_raw, None, self.config.rms_norm_eps)
@@ -119,9 +119,9 @@ class Attention(nn.Module):
     logits = jnp.einsum("BKGLH,BSKH->BKGLS", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGLS,BSKH->BKGLH", probs, v)  # [B, K, G, L, H]
+    out = layers.einsum("BKGLS,BSKH->BKGLH", probs, v, v.dtype)  # [B, K, G, L, H]
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
-    return jnp.einsum("BLNH,NHD->BLD", out, self.attn_vec_einsum.astype(self.config.dtype))
+    return layers.einsum("BLNH,NHD->BLD", out, self.attn_vec_einsum, self.config.dtype)
 
   def encode(self, x: Array, positions: Array, valid: Array, keys: Array, values: Array,
              new_length: Array, extra_mask: Array | None = None) -> tuple[Array, Array, Array]:

@@ -87,7 +87,7 @@ class Router(nn.Module):
     per_expert = layers.param(self, "per_expert_scale", nn.initializers.ones, (cfg.num_experts,), pdt,
                               ("experts",))
     h = layers.rms_norm(x, None, cfg.rms_norm_eps) * scale.astype(x.dtype) * (cfg.hidden_size**-0.5)
-    logits = jnp.einsum("TD,DE->TE", h.astype(x.dtype), w.astype(x.dtype))
+    logits = layers.einsum("TD,DE->TE", h, w, x.dtype)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.top_k)  # [T, k]
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -211,8 +211,8 @@ def _grouped(x, weights, experts, gating, linear):
   gate_up, linear = jnp.asarray(gating).reshape(num_experts, 2 * ffn, dim), jnp.asarray(linear)
 
   def run(rows, expert):  # [X, D] through one expert
-    h = jnp.einsum("XD,GD->XG", rows, gate_up[expert]).reshape(tile, 2, ffn)
-    return jnp.einsum("XF,FD->XD", _geglu(h), linear[expert])
+    h = layers.einsum("XD,GD->XG", rows, gate_up[expert], rows.dtype).reshape(tile, 2, ffn)
+    return layers.einsum("XF,FD->XD", _geglu(h), linear[expert], rows.dtype)
 
   def body(_, inputs):
     index, rows, expert = inputs
