@@ -199,7 +199,7 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   state = jax.block_until_ready(step(variables, cache, state))
   temperature = steps.temperature(rules, rules.max_denoising_steps - 1)
   uniforms = vocab.uniforms(step_keys, c)
-  body = jax.jit(lambda v, cc, s: sampler.denoiser(v, cc).hidden(s.canvas, s.sc_embedding, s.has_sc))
+  body = jax.jit(lambda v, cc, s: sampler.denoiser(v, cc).hidden(s.canvas, s.sc_embedding, s.has_sc, s.done))
   hidden = body(variables, cache, state)
   head = jax.jit(lambda v, h: sampler.head(model.apply(v, method=model.embedding_table), h, temperature,
                                            uniforms))

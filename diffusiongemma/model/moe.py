@@ -110,8 +110,13 @@ class Experts(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: Array, weights: Array, experts: Array) -> Array:
-    """x: [T, D]; weights, experts: [T, k] routing weights and expert ids. Returns [T, D]."""
+  def __call__(self, x: Array, weights: Array, experts: Array, skip: Array | None = None) -> Array:
+    """x: [T, D]; weights, experts: [T, k] routing weights and expert ids. Returns [T, D].
+
+    skip [T] (optional): tokens whose result is not needed (e.g. rows of a batch that are done). The
+    `grouped` path leaves them out of its tiles, so they cost nothing, and returns zeros for them; the
+    other tokens' results are unchanged (each tile is a matmul of the same shape whoever fills it).
+    """
     cfg = self.config
     pdt = jnp.dtype(cfg.param_dtype)
     shape = (cfg.num_experts, 2, cfg.moe_intermediate_size, cfg.hidden_size)
@@ -123,7 +128,9 @@ class Experts(nn.Module):
     mesh = expert_parallel_mesh(cfg.num_experts)
     if mesh is not None:
       return _expert_parallel(mesh, cfg.moe_impl, x, weights, experts, gating, linear)
-    impl = {"grouped": _grouped, "ragged": _ragged, "dense": _dense}[cfg.moe_impl]
+    if cfg.moe_impl == "grouped":
+      return _grouped(x, weights, experts, gating, linear, skip)
+    impl = {"ragged": _ragged, "dense": _dense}[cfg.moe_impl]
     return impl(x, weights, experts, gating, linear)
 
 
@@ -194,7 +201,7 @@ def loop_tile_size(num_tokens: int, top_k: int, num_experts: int) -> int:
   return min(128, max(32, -(-half // _TILE_MULTIPLE) * _TILE_MULTIPLE))
 
 
-def _grouped(x, weights, experts, gating, linear):
+def _grouped(x, weights, experts, gating, linear, skip=None):
   """Tiles of X rows, each within one expert's sorted group, one matmul pair per tile in a `lax.scan`
   (tiles past the last one in use are skipped by `lax.cond`). A batched einsum over all tiles, with each
   tile's copy of its expert's weights, ran 4-6x slower on CPU (XLA's batched dot) and computed the unused
@@ -202,6 +209,8 @@ def _grouped(x, weights, experts, gating, linear):
   num_tokens, top_k = experts.shape
   num_experts, _, ffn, dim = gating.shape
   tile = loop_tile_size(num_tokens, top_k, num_experts)
+  if skip is not None:  # expert id E: sorted last, in no group, out of every tile
+    experts = jnp.where(skip[:, None], num_experts, experts)
   # sum ceil(n_e / X) <= T*k / X + E tiles in all.
   num_tiles = -(-num_tokens * top_k // tile) + num_experts
   order, sorted_experts, sizes = _sort_assignments(experts, num_experts)
@@ -219,7 +228,8 @@ def _grouped(x, weights, experts, gating, linear):
     return None, jax.lax.cond(index < used, run, lambda rows, expert: jnp.zeros_like(rows), rows, expert)
 
   _, out = jax.lax.scan(body, None, (jnp.arange(num_tiles), tiles, tile_expert))  # [tiles, X, D]
-  return _combine(out.reshape(num_tiles * tile, dim)[dest], order, weights, num_tokens).astype(x.dtype)
+  rows = jnp.take(out.reshape(num_tiles * tile, dim), dest, axis=0, mode="fill", fill_value=0)  # skipped: 0
+  return _combine(rows, order, weights, num_tokens).astype(x.dtype)
 
 
 def expert_parallel_mesh(num_experts: int):

@@ -200,8 +200,9 @@ class Sampler(prompts_lib.StaticArgument):
   def denoiser(self, variables, cache: KVCache) -> steps.Denoiser:
     """The model's denoiser on a fixed cache and its vocabulary head, as the step wants them."""
     model = self.model
-    hidden = lambda canvas, sc, mask: model.apply(variables, canvas, cache, None, mask, return_hidden=True,
-                                                  self_conditioning_embedding=sc, method=model.denoise)
+    hidden = lambda canvas, sc, mask, done: model.apply(
+        variables, canvas, cache, None, mask, return_hidden=True, self_conditioning_embedding=sc,
+        skip_rows=done, method=model.denoise)
     return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table))
 
   def encode(self, variables, tokens: Array, cache: KVCache, num_tokens: Array | None = None,

@@ -48,12 +48,13 @@ class Rules:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Denoiser:
   """The model on a fixed cache, as a step uses it: `hidden(canvas [B, C], self-conditioning embedding
-  [B, C, D], its row mask [B]) -> final hidden states [B, C, D]`, and the vocabulary head with its table
+  [B, C, D], its row mask [B], rows that are done [B]) -> final hidden states [B, C, D]` (those of rows
+  that are done are not used; the model may skip work on them), and the vocabulary head with its table
   (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it).
   `on_pass(stats, has_self_conditioning [B])`, if given, is called in the program after each pass (e.g. a
   `jax.debug.callback` showing live drafts); it cannot change the step."""
 
-  hidden: Callable[[Array, Array, Array], Array]
+  hidden: Callable[[Array, Array, Array, Array], Array]
   head: vocab.VocabHead
   table: Array
   on_pass: Callable[[acceptance_lib.TokenStats, Array], None] | None = None
@@ -140,7 +141,7 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, state.step)
   sample_keys, noise_keys = jnp.moveaxis(jax.vmap(jax.random.split)(step_keys), 1, 0)
   uniforms = vocab.uniforms(sample_keys, c)  # [B, C]
-  hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc)  # [B, C, D]
+  hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
   head = denoiser.head(denoiser.table, hidden, temp, uniforms)
   stats = head.stats
   if denoiser.on_pass is not None:
