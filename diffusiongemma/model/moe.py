@@ -201,13 +201,29 @@ def loop_tile_size(num_tokens: int, top_k: int, num_experts: int) -> int:
   return min(128, max(32, -(-half // _TILE_MULTIPLE) * _TILE_MULTIPLE))
 
 
+def _gathered(x, weights, experts, gating, linear):
+  """Each (token, expert) assignment through its own gathered copy of the expert's weights: for a few
+  tokens (an autoregressive step), where it reads no more than all experts once and runs no loop."""
+  num_tokens, top_k = experts.shape
+  num_experts, _, ffn, dim = gating.shape
+  chosen = experts.reshape(-1)  # [A] with A = T*k
+  rows = jnp.repeat(x, top_k, axis=0)  # [A, D]
+  h = layers.einsum("AD,AGD->AG", rows, gating.reshape(num_experts, 2 * ffn, dim)[chosen], x.dtype)
+  out = layers.einsum("AF,AFD->AD", _geglu(h.reshape(-1, 2, ffn)), linear[chosen], x.dtype)  # [A, D]
+  out = out.reshape(num_tokens, top_k, dim).astype(jnp.float32)
+  return jnp.einsum("TkD,Tk->TD", out, weights).astype(x.dtype)
+
+
 def _grouped(x, weights, experts, gating, linear, skip=None):
   """Tiles of X rows, each within one expert's sorted group, one matmul pair per tile in a `lax.scan`
   (tiles past the last one in use are skipped by `lax.cond`). A batched einsum over all tiles, with each
   tile's copy of its expert's weights, ran 4-6x slower on CPU (XLA's batched dot) and computed the unused
-  tiles too."""
+  tiles too. At most E assignments (T*k <= E, e.g. an autoregressive step): `_gathered`, no tiles."""
   num_tokens, top_k = experts.shape
   num_experts, _, ffn, dim = gating.shape
+  if num_tokens * top_k <= num_experts:
+    return _gathered(x, weights if skip is None else jnp.where(skip[:, None], 0.0, weights), experts,
+                     gating, linear)
   tile = loop_tile_size(num_tokens, top_k, num_experts)
   if skip is not None:  # expert id E: sorted last, in no group, out of every tile
     experts = jnp.where(skip[:, None], num_experts, experts)
