@@ -199,7 +199,8 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   state = jax.block_until_ready(step(variables, cache, state))
   temperature = steps.temperature(rules, rules.max_denoising_steps - 1)
   uniforms = vocab.uniforms(step_keys, c)
-  body = jax.jit(lambda v, cc, s: sampler.denoiser(v, cc).hidden(s.canvas, s.sc_embedding, s.has_sc, s.done))
+  body = jax.jit(lambda v, cc, s: sampler.denoiser(v, cc).hidden(s.canvas, s.sc_embedding, s.has_sc,
+                                                                 s.done))
   hidden = body(variables, cache, state)
   head = jax.jit(lambda v, h: sampler.head(model.apply(v, method=model.embedding_table), h, temperature,
                                            uniforms))
@@ -207,7 +208,8 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
                                                  jnp.dtype(cfg.dtype), cfg.final_logit_softcap))
   out = {}
   for name, fn, args in (("denoiser", body, (variables, cache, state)), ("head", head, (variables, hidden)),
-                         ("bare_lm_head", bare, (variables, hidden)), ("step", step, (variables, cache, state))):
+                         ("bare_lm_head", bare, (variables, hidden)),
+                         ("step", step, (variables, cache, state))):
     out[f"{name}_seconds"] = time_call(fn, *args, repeats=repeats).best
   out["xla_flops"] = cost(body, variables, cache, state)["flops"] + cost(head, variables, hidden)["flops"]
   out["useful_flops"] = denoiser_flops(cfg, b, int(prompts.shape[1]))

@@ -212,8 +212,8 @@ def _table(results: dict) -> str:
                f"{results['machine']['read_bandwidth_gbps']:.1f} GB/s read bandwidth")
   st = results["step"]
   lines.append(f"one denoising step (batch {st['batch_size']}, {1e3 * st['step_seconds']:.0f} ms): denoiser "
-               f"{100 * st['denoiser_fraction']:.0f}%, vocabulary head {100 * st['head_fraction']:.0f}%, sampling "
-               f"and acceptance {100 * st['sampling_fraction']:.0f}%; outside the steps: "
+               f"{100 * st['denoiser_fraction']:.0f}%, vocabulary head {100 * st['head_fraction']:.0f}%, "
+               f"sampling and acceptance {100 * st['sampling_fraction']:.0f}%; outside the steps: "
                f"{100 * st['rest_fraction']:.0f}% of a generation")
   m = results["moe"]
   lines.append(f"MoE layer ({m['experts']} experts, top-{m['top_k']}, {m['impl']}): "

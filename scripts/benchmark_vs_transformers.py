@@ -19,13 +19,19 @@ machine may be shared: compare the ratios of one run, not absolute rates across 
   python scripts/benchmark_vs_transformers.py --output=workdir/benchmark_vs_transformers.json
   python scripts/benchmark_vs_transformers.py --quick   # batch 1, one repeat, no defaults run
 
-JSON (times in seconds): model (sizes, parameters), machine (backend, threads, matmul_peak_gflops),
-settings (ours: `Sampler.settings()` per run kind; transformers: the generate kwargs), runs[] (kind
-"fixed" or "defaults", batch_size, ours_/hf_ seconds, tokens_per_second, passes_per_canvas, ratio),
-ar[] (batch_size, seconds, tokens_per_second), breakdown[] (batch_size, denoiser_seconds, head_seconds,
-bare_lm_head_seconds, step_seconds, generate_seconds_per_step, useful_flops, xla_flops, mfu,
-denoiser_fraction, sampling_fraction, rest_fraction), bf16 (batch_size, f32/bf16 tokens_per_second,
-speedup, token_agreement, first_step_argmax_agreement).
+JSON (times in seconds): model (sizes, parameters, the ModelConfig), machine (backend, devices, processor,
+torch_threads, matmul_peak_gflops: the best of the peaks measured during the run), settings (ours:
+`Sampler.settings()` per run kind; transformers: the generate kwargs; prompt length, new tokens, repeats),
+runs[] (kind, batch_size, ours_seconds, ours_compile_seconds, ours_tokens_per_second,
+ours_passes_per_canvas; per torch thread count t: hf{t}_seconds, hf{t}_tokens_per_second,
+hf{t}_passes_per_canvas, ratio{t} = ours / transformers tokens/s), ar[] (batch_size, seconds,
+tokens_per_second), breakdown[] (batch_size; denoiser_, head_, bare_lm_head_, step_seconds: standalone,
+fastest run; step_in_program_seconds: the marginal cost of a step inside the compiled generation;
+generate_seconds, rest_seconds; useful_flops, xla_flops (XLA counts a loop body once, so it undercounts
+the MoE tiles and vocabulary chunks); mfu = useful FLOPs of denoiser + head / their time / peak, xla_mfu;
+denoiser_fraction (denoiser + head) and sampling_fraction of a step, rest_fraction of a generation),
+bf16[] (batch_size, f32_/bf16_tokens_per_second, speedup, token_agreement,
+first_step_argmax_agreement).
 """
 
 from __future__ import annotations
@@ -104,7 +110,8 @@ def _bf16(cfg, params, prompts, steps_config, repeats):
     p = jax.tree.map(lambda x: x.astype(dtype), params)
     sampler = dg.Sampler(dg.DiffusionGemma(model_cfg), steps_config)
     timing, _ = _ours(sampler, p, prompts, repeats, initial_canvas=canvas)
-    traced = sampler.generate(p, prompts, jax.random.key(1), NEW_TOKENS, initial_canvas=canvas, return_trace=True)
+    traced = sampler.generate(p, prompts, jax.random.key(1), NEW_TOKENS, initial_canvas=canvas,
+                              return_trace=True)
     results[name] = (np.asarray(timing.output.tokens), np.asarray(traced.trace.argmax)[0, 0])
     out[f"{name}_tokens_per_second"] = prompts.shape[0] * NEW_TOKENS / timing.median
   out["speedup"] = out["bf16_tokens_per_second"] / out["f32_tokens_per_second"]

@@ -163,7 +163,7 @@ class Attention(nn.Module):
     # One block: every query sees the same keys, so the mask is per row [B, 1, S + C].
     queries = c if block_length < c else 1
     block = jnp.arange(c) // block_length  # [C]
-    visible_end = length[:, None] + block[None, :queries] * block_length  # [B, Q] cache end seen by each query
+    visible_end = length[:, None] + block[None, :queries] * block_length  # [B, Q] cache end each query sees
     slot = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
     cache_mask = slot < visible_end[:, :, None]  # [B, Q, S]
     if not self.is_full:

@@ -105,7 +105,8 @@ def head_logits(x: Array, table: Array, dtype, softcap: float | None) -> Array:
   """The tied LM head on x [..., D] against (a slice of) the embedding table [V, D]: float32 logits
   [..., V] of a matmul in `dtype` (accumulated in float32; the reference rounds them to `dtype` first),
   then the softcap."""
-  logits = jnp.einsum("...D,VD->...V", x.astype(dtype), table.astype(dtype), preferred_element_type=jnp.float32)
+  logits = jnp.einsum("...D,VD->...V", x.astype(dtype), table.astype(dtype),
+                      preferred_element_type=jnp.float32)
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   return logits

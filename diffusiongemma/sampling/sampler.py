@@ -70,12 +70,15 @@ class Sampler(prompts_lib.StaticArgument):
     1. start from the noise process's initial canvas (uniform: random tokens over the whole vocabulary;
        masked: all mask tokens), or the given `initial_canvas`;
     2. for n = N .. 1 steps remaining, while the row is not done: one denoiser pass over the canvas, with
-       the previous pass's temperature-scaled logits as self-conditioning; sample every position from
-       softmax(logits / T_n), T_n = t_min + (t_max - t_min) n / N; keep the samples the acceptance rule
-       accepts (default: the entropy bound, at least one per step) and let the noise process re-noise the
-       others; the row is done when the stopping rule fires (default: argmax canvas unchanged and mean
-       entropy below the confidence threshold) or nothing is left to change; done rows stop changing and
-       stop counting passes;
+       the previous pass's tempered distribution as self-conditioning (its expected embedding
+       softmax(logits / T) @ E * sqrt(D), the same as feeding those logits); per position, the entropy,
+       top probability and argmax of softmax(logits / T_n), T_n = t_min + (t_max - t_min) n / N, streamed
+       over the vocabulary (`sampling.vocab`, `SamplerConfig.vocab_chunk_size`); the acceptance rule
+       (default: the entropy bound, at least one per step) picks positions, which draw their token from
+       that distribution (one uniform each, inverse CDF), and the noise process re-noises the others;
+       the row is done when the stopping rule fires (default: argmax canvas unchanged and mean entropy
+       below the confidence threshold) or nothing is left to change; done rows stop changing, stop
+       counting passes, and their tokens skip the experts;
     3. commit the argmax canvas; pad everything after the first stop token; a row with a stop token is
        finished and its later canvases are pad;
     4. encode the committed canvas into the KV cache and go on to the next canvas.

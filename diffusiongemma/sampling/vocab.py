@@ -164,8 +164,8 @@ class VocabHead:
   draw_slots: int = 4  # positions per row whose draw one pass of `draw` recomputes
 
   def __post_init__(self):
-    if self.chunk_size is not None and (isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
-                                        or self.chunk_size < 1):
+    size = self.chunk_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
       raise ValueError(f"vocab_chunk_size={self.chunk_size!r} is invalid: None (the whole vocabulary) or a "
                        "positive integer.")
     if isinstance(self.draw_slots, bool) or not isinstance(self.draw_slots, int) or self.draw_slots < 1:
