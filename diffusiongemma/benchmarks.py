@@ -156,3 +156,61 @@ def moe_against_dense(cfg: ModelConfig, tokens: int, repeats: int = 3, seed: int
   return {"tokens": tokens, "moe_seconds": moe_s, "dense_same_active_seconds": dense_s,
           "moe_over_dense": moe_s / dense_s, "impl": cfg.moe_impl, "experts": cfg.num_experts,
           "top_k": cfg.top_k}
+
+
+def denoiser_flops(cfg: ModelConfig, batch_size: int, cache_length: int) -> float:
+  """Useful FLOPs of one denoiser pass over a canvas after `cache_length` cached positions, counted from
+  the model's shapes (2 per multiply-add): every projection, the chosen experts only (top-k), attention over
+  the keys each layer sees (sliding: the last W - 1 cached ones; full: all) plus the canvas, the
+  self-conditioning MLP, and the vocabulary head's two matmuls (the LM head and the soft embedding
+  softmax(l / T) @ E). Padding, masked keys and unused expert tiles are not counted."""
+  d, c = cfg.hidden_size, cfg.canvas_length
+  per_token = 3 * d * cfg.intermediate_size + 2 * cfg.vocab_size * d  # self-conditioning MLP; head, soft
+  for layer in range(cfg.num_layers):
+    kv_heads, head_dim = cfg.layer_dims(layer)
+    full = cfg.layer_types[layer] == "full"
+    shares = full and cfg.full_k_eq_v
+    keys = c + (cache_length if full else min(cache_length, cfg.sliding_window - 1))
+    per_token += d * cfg.num_heads * head_dim * 2 + d * kv_heads * head_dim * (1 if shares else 2)
+    per_token += 2 * cfg.num_heads * head_dim * keys  # q k^T and p v
+    per_token += 3 * d * cfg.intermediate_size + d * cfg.num_experts
+    per_token += cfg.top_k * 3 * d * cfg.moe_intermediate_size
+  return 2.0 * per_token * batch_size * c
+
+
+def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, float]:
+  """Seconds of the parts of one denoising step of `sampler` at this batch, each jitted alone on the
+  state after a first step (so that self-conditioning is on): `denoiser` the pass from canvas to final
+  hidden states; `head` the vocabulary head (LM head, soft embedding, statistics, streamed);
+  `step` the whole `steps.denoise_step` (those, the draw, acceptance, re-noising, stopping). Also the bare
+  LM head (logits and softcap, no statistics) for comparison, and XLA's FLOPs of denoiser + head."""
+  from diffusiongemma.sampling import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
+  from diffusiongemma.sampling import steps, vocab  # pylint: disable=g-import-not-at-top
+  model, rules = sampler.model, sampler.rules
+  cfg = model.config
+  variables = prompts_lib.variables(params)
+  b, c = prompts.shape[0], cfg.canvas_length
+  prompts = jnp.asarray(prompts, jnp.int32)
+  cache = jax.jit(lambda v, p: sampler.encode(v, p, model.init_cache(b, p.shape[1])))(variables, prompts)
+  keys = jax.random.split(jax.random.key(0), b)
+  start, step_keys = sampler.start_canvas(keys, 0)
+  state = steps.init_state(rules, start, jnp.zeros((b,), bool), cfg.hidden_size, cfg.param_dtype)
+  step = jax.jit(lambda v, cc, s: steps.denoise_step(rules, sampler.denoiser(v, cc), s, step_keys))
+  state = jax.block_until_ready(step(variables, cache, state))
+  temperature = steps.temperature(rules, rules.max_denoising_steps - 1)
+  uniforms = vocab.uniforms(step_keys, c)
+  body = jax.jit(lambda v, cc, s: sampler.denoiser(v, cc).hidden(s.canvas, s.sc_embedding, s.has_sc,
+                                                                 s.done))
+  hidden = body(variables, cache, state)
+  head = jax.jit(lambda v, h: sampler.head(model.apply(v, method=model.embedding_table), h, temperature,
+                                           uniforms))
+  bare = jax.jit(lambda v, h: layers.head_logits(h, model.apply(v, method=model.embedding_table),
+                                                 jnp.dtype(cfg.dtype), cfg.final_logit_softcap))
+  out = {}
+  for name, fn, args in (("denoiser", body, (variables, cache, state)), ("head", head, (variables, hidden)),
+                         ("bare_lm_head", bare, (variables, hidden)),
+                         ("step", step, (variables, cache, state))):
+    out[f"{name}_seconds"] = time_call(fn, *args, repeats=repeats).best
+  out["xla_flops"] = cost(body, variables, cache, state)["flops"] + cost(head, variables, hidden)["flops"]
+  out["useful_flops"] = denoiser_flops(cfg, b, int(prompts.shape[1]))
+  return out

@@ -8,6 +8,9 @@ One process, one run, the same parameters and prompts for both decoders:
   the AR step's bytes/s as a fraction of a measured read bandwidth (a matrix-vector product), counting
   the bytes it must read: every parameter and the KV cache once (XLA's per-op `bytes accessed`, which
   counts cache-resident intermediates too, is reported beside it; XLA cost analysis counts the FLOPs);
+- one denoising step taken apart at the largest batch (`benchmarks.step_breakdown`): the denoiser pass,
+  the vocabulary head, sampling and acceptance (the rest of the step), and the rest of a generation
+  (its time outside the steps: prompt encoding, loops, transfers);
 - the model's MoE layer against a dense GeGLU MLP with the same active parameters;
 - the train step of each `--train_configs` file (default tiny and small; `--quick`: the first only) on
   random tokens: tokens/s, seconds per step, compile time apart, XLA's FLOPs per step and MFU.
@@ -34,6 +37,10 @@ benchmark.json (times in seconds, rates per second, every number finite and >= 0
   efficiency                     at the largest batch: batch_size; for denoiser_ and ar_step_: seconds,
                                  flops, bytes (XLA), min_bytes (parameters + KV cache), mfu,
                                  bandwidth_fraction (min_bytes / seconds / read bandwidth)
+  step                           at the largest batch: batch_size; denoiser_, head_, bare_lm_head_, step_
+                                 seconds (standalone, fastest run); useful_flops, xla_flops;
+                                 denoiser_fraction, head_fraction, sampling_fraction (of a step);
+                                 rest_fraction (of a generation: 1 - loop steps x step / its time)
   moe                            tokens, moe_seconds, dense_same_active_seconds, moe_over_dense, impl,
                                  experts, top_k
   training[]                     one per train config: config, batch_size, sequence_length,
@@ -112,6 +119,7 @@ def _decoders(sampler, ar_sampler, params, prompts, rng, new_tokens, repeats):
   for key in ("pooled_tokens_per_forward", "mean_tokens_per_forward", "steps_per_canvas", "denoiser_passes"):
     row[key] = summary[key]
   row["row_tokens_per_forward"] = np.asarray(out.tokens_per_forward).tolist()
+  row["loop_steps"] = int(np.asarray(out.canvas_passes).max(0).sum())  # steps the batch ran
   row["speedup"] = row["diffusion_tokens_per_second"] / row["ar_tokens_per_second"]
   return row
 
@@ -202,6 +210,11 @@ def _table(results: dict) -> str:
                f"{results['machine']['matmul_peak_gflops']:.0f} GFLOP/s; AR step: "
                f"{100 * e['ar_step_bandwidth_fraction']:.1f}% of a measured "
                f"{results['machine']['read_bandwidth_gbps']:.1f} GB/s read bandwidth")
+  st = results["step"]
+  lines.append(f"one denoising step (batch {st['batch_size']}, {1e3 * st['step_seconds']:.0f} ms): denoiser "
+               f"{100 * st['denoiser_fraction']:.0f}%, vocabulary head {100 * st['head_fraction']:.0f}%, "
+               f"sampling and acceptance {100 * st['sampling_fraction']:.0f}%; outside the steps: "
+               f"{100 * st['rest_fraction']:.0f}% of a generation")
   m = results["moe"]
   lines.append(f"MoE layer ({m['experts']} experts, top-{m['top_k']}, {m['impl']}): "
                f"{1e3 * m['moe_seconds']:.1f} ms vs {1e3 * m['dense_same_active_seconds']:.1f} ms for a "
@@ -256,6 +269,15 @@ def main(argv):
     logging.info("batch %d: %s", batch, row)
   results["efficiency"] = {"batch_size": batch_sizes[-1],
                            **_efficiency(sampler.model, params, prompts, peak, bandwidth, repeats)}
+  step = benchmarks.step_breakdown(sampler, params, prompts, repeats=max(repeats, 3))
+  last = results["decoding"][-1]
+  results["step"] = {"batch_size": batch_sizes[-1], **step,
+                     **{f"{part}_fraction": step[f"{part}_seconds"] / step["step_seconds"]
+                        for part in ("denoiser", "head")},
+                     "sampling_fraction": max(1 - (step["denoiser_seconds"] + step["head_seconds"])
+                                              / step["step_seconds"], 0.0),
+                     "rest_fraction": max(1 - last["loop_steps"] * step["step_seconds"]
+                                          / last["diffusion_seconds"], 0.0)}
   results["moe"] = benchmarks.moe_against_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
   train_configs = _TRAIN_CONFIGS.value[:1] if quick else _TRAIN_CONFIGS.value
   results["training"] = _training(train_configs, peak, repeats)

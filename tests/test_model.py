@@ -178,6 +178,19 @@ def test_sparse_experts_equal_dense(impl, num_tokens, skew):
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_grouped_experts_skip_tokens_and_leave_the_others_unchanged():
+  x = jax.random.normal(jax.random.key(6), (40, TINY.hidden_size))
+  weights, experts = _routing(1, 40, False)
+  module = moe.Experts(TINY)
+  variables = module.init(jax.random.key(7), x, weights, experts)
+  apply = jax.jit(module.apply)
+  full = np.asarray(apply(variables, x, weights, experts))
+  skip = np.arange(40) % 3 == 0
+  part = np.asarray(apply(variables, x, weights, experts, jnp.asarray(skip)))
+  np.testing.assert_array_equal(part[~skip], full[~skip])  # bit for bit: tiles keep their shape
+  assert (part[skip] == 0).all()
+
+
 def test_sparse_experts_gradients_equal_dense():
   x = jax.random.normal(jax.random.key(4), (24, TINY.hidden_size))
   weights, experts = _routing(0, 24, False)

@@ -208,6 +208,10 @@ def test_benchmark_samples_with_the_trained_noise_and_reports_the_samplers_stati
     assert 0 < r["steps_per_canvas"] <= 6
   for key in ("denoiser_mfu", "ar_step_bandwidth_fraction", "denoiser_flops"):
     assert math.isfinite(results["efficiency"][key]) and results["efficiency"][key] > 0, key
+  step = results["step"]
+  for key in ("denoiser_fraction", "head_fraction", "sampling_fraction", "rest_fraction", "step_seconds"):
+    assert math.isfinite(step[key]) and step[key] >= 0, key
+  assert step["denoiser_fraction"] + step["head_fraction"] + step["sampling_fraction"] == pytest.approx(1.0)
   assert [r["config"] for r in results["training"]] == ["tiny"]
   for plot in results["plots"]:
     assert pathlib.Path(plot).read_bytes()[:4] == b"\x89PNG"

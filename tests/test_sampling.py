@@ -353,9 +353,9 @@ def test_while_loop_equals_python_loop(model, params, sampler):
   encode = jax.jit(lambda p, c: model.apply(variables, p, c, num_tokens=jnp.full((B,), 5),
                                             method=model.encode))
   _, cache = encode(prompt, cache)
-  denoiser = lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
+  denoiser = sampler.denoiser(variables, cache)
   start, step_keys = sampler.start_canvas(keys, 0)
-  state = steps.init_state(sampler.rules, start, jnp.zeros((B,), bool), TINY.vocab_size)
+  state = steps.init_state(sampler.rules, start, jnp.zeros((B,), bool), TINY.hidden_size)
   step = jax.jit(lambda s: steps.denoise_step(sampler.rules, denoiser, s, step_keys))
   i = 0
   while bool(steps.should_continue(sampler.rules, state)):

@@ -37,7 +37,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from diffusiongemma import build
@@ -91,14 +90,8 @@ class _LiveSampler(sampler_lib.Sampler):
   flag [B] (False on a canvas's first pass) to the host, to whichever listener `_live` holds."""
 
   def denoiser(self, variables, cache):
-    inner = super().denoiser(variables, cache)
-
-    def run(canvas, sc_logits, sc_mask):
-      logits = inner(canvas, sc_logits, sc_mask)
-      jax.debug.callback(_live.emit, jnp.argmax(logits, axis=-1).astype(jnp.int32), sc_mask, ordered=True)
-      return logits
-
-    return run
+    emit = lambda stats, sc_mask: jax.debug.callback(_live.emit, stats.argmax, sc_mask, ordered=True)
+    return dataclasses.replace(super().denoiser(variables, cache), on_pass=emit)
 
 
 class _Live:

@@ -99,24 +99,29 @@ class Attention(nn.Module):
   def project(self, x: Array, positions: Array) -> tuple[Array, Array, Array]:
     """Queries [B, L, N, H], keys and values [B, L, K, H] of x at the given positions."""
     dt = jnp.dtype(self.config.dtype)
-    q = jnp.einsum("BLD,NDH->BLNH", x, self.q_einsum.astype(dt))
-    k_raw = jnp.einsum("BLD,KDH->BLKH", x, self.k_einsum.astype(dt))
-    v_raw = k_raw if self.shares_kv else jnp.einsum("BLD,KDH->BLKH", x, self.v_einsum.astype(dt))
+    q = layers.einsum("BLD,NDH->BLNH", x, self.q_einsum, dt)
+    k_raw = layers.einsum("BLD,KDH->BLKH", x, self.k_einsum, dt)
+    v_raw = k_raw if self.shares_kv else layers.einsum("BLD,KDH->BLKH", x, self.v_einsum, dt)
     q = layers.apply_rope(self._query_norm(q), positions, self.inv_freq)
     k = layers.apply_rope(self._key_norm(k_raw), positions, self.inv_freq)
     v = layers.rms_norm(v_raw, None, self.config.rms_norm_eps)
     return q, k, v
 
   def attend(self, q: Array, k: Array, v: Array, mask: Array) -> Array:
-    """softmax(q k^T) v over keys where mask [B, L or 1, S] is true, then the output projection."""
+    """softmax(q k^T) v over keys where mask [B, L or 1, S] is true, then the output projection.
+
+    The products run as [B, K, G*L, H] x [B, S, K, H]: with the query and output heads leading (one
+    transpose each way), XLA's CPU dots ran about twice as fast as with the [B, L, K, G, H] layout.
+    """
     b, l, n, h = q.shape
     kv_heads = k.shape[2]
-    q = q.reshape(b, l, kv_heads, n // kv_heads, h)
-    logits = jnp.einsum("BLKGH,BSKH->BKGLS", q, k, preferred_element_type=jnp.float32)
+    q = q.reshape(b, l, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)  # [B, K, G, L, H]
+    logits = jnp.einsum("BKGLH,BSKH->BKGLS", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask[:, None, None], logits, _NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("BKGLS,BSKH->BLKGH", probs, v).reshape(b, l, n, h)
-    return jnp.einsum("BLNH,NHD->BLD", out, self.attn_vec_einsum.astype(self.config.dtype))
+    out = layers.einsum("BKGLS,BSKH->BKGLH", probs, v, v.dtype)  # [B, K, G, L, H]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, l, n, h)
+    return layers.einsum("BLNH,NHD->BLD", out, self.attn_vec_einsum, self.config.dtype)
 
   def encode(self, x: Array, positions: Array, valid: Array, keys: Array, values: Array,
              new_length: Array, extra_mask: Array | None = None) -> tuple[Array, Array, Array]:
@@ -155,13 +160,15 @@ class Attention(nn.Module):
     block_length = block_length or c
     if c % block_length:
       raise ValueError(f"Canvas length {c} is not a multiple of block_length={block_length}.")
+    # One block: every query sees the same keys, so the mask is per row [B, 1, S + C].
+    queries = c if block_length < c else 1
     block = jnp.arange(c) // block_length  # [C]
-    visible_end = length[:, None] + block[None] * block_length  # [B, C] cache end seen by each query
+    visible_end = length[:, None] + block[None, :queries] * block_length  # [B, Q] cache end each query sees
     slot = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
-    cache_mask = slot < visible_end[:, :, None]  # [B, C, S]
+    cache_mask = slot < visible_end[:, :, None]  # [B, Q, S]
     if not self.is_full:
       cache_mask &= slot >= visible_end[:, :, None] - (self.config.sliding_window - 1)
-    canvas_mask = jnp.broadcast_to(block[:, None] == block[None, :], (b, c, c))
+    canvas_mask = jnp.broadcast_to(block[:queries, None] == block[None, :], (b, queries, c))
     mask = jnp.concatenate([cache_mask, canvas_mask], axis=2)
     keys = jnp.concatenate([keys.astype(q.dtype), k], axis=1)
     values = jnp.concatenate([values.astype(q.dtype), v], axis=1)

@@ -67,23 +67,62 @@ class Embedder(nn.Module):
 
   @property
   def scale(self) -> Array:
-    # The reference casts sqrt(D) to the weight dtype first (53.066 becomes 53.0 in bfloat16).
-    return jnp.asarray(self.hidden_size**0.5, self.param_dtype)
+    return embed_scale(self.hidden_size, self.param_dtype)
 
   def encode(self, tokens: Array) -> Array:
     return (self.input_embedding[tokens] * self.scale).astype(self.dtype)  # [B, L, D]
 
   def soft_encode(self, logits: Array) -> Array:
     """Expected embedding under softmax(logits): the self-conditioning signal."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(self.param_dtype)
-    return (jnp.einsum("BLV,VD->BLD", probs, self.input_embedding) * self.scale).astype(self.dtype)
+    logits = logits.astype(jnp.float32)
+    weights = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # [B, L, V]
+    rows = weighted_rows(weights, self.input_embedding)  # [B, L, D]
+    total = jnp.sum(weights, axis=-1)
+    return soft_embedding(rows, total, self.scale).astype(self.dtype)
 
   def decode(self, x: Array) -> Array:
-    logits = jnp.einsum("BLD,VD->BLV", x, self.input_embedding.astype(self.dtype))
-    logits = logits.astype(jnp.float32)
-    if self.softcap is not None:
-      logits = self.softcap * jnp.tanh(logits / self.softcap)
-    return logits  # [B, L, V]
+    return head_logits(x, self.input_embedding, self.dtype, self.softcap)  # [B, L, V]
+
+
+def einsum(equation: str, x: Array, w: Array, dtype) -> Array:
+  """jnp.einsum of x and w cast to `dtype`, accumulated and returned in float32, then cast to `dtype`.
+
+  The values of a `dtype` einsum (whose products accumulate in float32 too; measured: all but ~1e-5 of
+  the elements bit-equal, the others one rounding apart); on CPU, bfloat16
+  operands with a float32 result ran ~1.8x faster than with a bfloat16 result (XLA 0.10.2, AVX-512 BF16:
+  a [2048, 256] x [256, 512] matmul, 290 against 140 GFLOP/s; float32 alone 170).
+  """
+  out = jnp.einsum(equation, x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+  return out.astype(dtype)
+
+
+def embed_scale(hidden_size: int, param_dtype) -> Array:
+  """sqrt(D), cast to the weight dtype first as the reference does (53.066 becomes 53.0 in bfloat16)."""
+  return jnp.asarray(hidden_size**0.5, param_dtype)
+
+
+def head_logits(x: Array, table: Array, dtype, softcap: float | None) -> Array:
+  """The tied LM head on x [..., D] against (a slice of) the embedding table [V, D]: float32 logits
+  [..., V] of a matmul in `dtype` (accumulated in float32; the reference rounds them to `dtype` first),
+  then the softcap."""
+  logits = jnp.einsum("...D,VD->...V", x.astype(dtype), table.astype(dtype),
+                      preferred_element_type=jnp.float32)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  return logits
+
+
+def weighted_rows(weights: Array, table: Array) -> Array:
+  """sum_v weights[..., v] * table[v] [..., D] in float32, the weights cast to the table's dtype first (the
+  reference casts the probabilities to the embedding dtype)."""
+  return jnp.einsum("...V,VD->...D", weights.astype(table.dtype), table, preferred_element_type=jnp.float32)
+
+
+def soft_embedding(rows: Array, total: Array, scale: Array) -> Array:
+  """softmax(logits) @ E * sqrt(D) in the parameter dtype (`scale`'s), from `weighted_rows` of
+  exp(logits - max) [..., D] and their sum [...]: normalising after the sum lets a streamed vocabulary
+  add its chunks first."""
+  return (rows / total[..., None]).astype(scale.dtype) * scale
 
 
 class FeedForward(nn.Module):
@@ -100,9 +139,9 @@ class FeedForward(nn.Module):
                    self.param_dtype, (None, "mlp", "embed"))
     linear = param(self, "linear", fan_in_init([0]), (self.intermediate_size, self.hidden_size),
                    self.param_dtype, ("mlp", "embed"))
-    gate_up = jnp.einsum("BLD,GFD->GBLF", x, gating.astype(self.dtype))  # [2, B, L, F]
-    h = jax.nn.gelu(gate_up[0], approximate=True) * gate_up[1]
-    return jnp.einsum("BLF,FD->BLD", h, linear.astype(self.dtype))
+    gate_up = einsum("BLD,GFD->BLGF", x, gating, self.dtype)  # [B, L, 2, F]: one plain matmul on CPU
+    h = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
+    return einsum("BLF,FD->BLD", h, linear, self.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, rotary_fraction: float = 1.0) -> Array:

@@ -43,12 +43,13 @@ class Block(nn.Module):
     scalar = lambda name: layers.param(self, name, nn.initializers.ones, (), pdt, ())
     self.encoder_scalar, self.decoder_scalar = scalar("encoder_scalar"), scalar("decoder_scalar")
 
-  def _feed_forward(self, h: Array, scalar: Array) -> Array:
+  def _feed_forward(self, h: Array, scalar: Array, skip_rows: Array | None = None) -> Array:
     b, l, d = h.shape
     dense = self.post_ffw1_norm(self.mlp(self.pre_ffw_norm(h)))
     tokens = h.reshape(b * l, d)
     weights, experts = self.router(tokens)
-    sparse = self.experts(self.pre_ffw2_norm(tokens), weights, experts).reshape(b, l, d)
+    skip = None if skip_rows is None else jnp.repeat(skip_rows, l)
+    sparse = self.experts(self.pre_ffw2_norm(tokens), weights, experts, skip).reshape(b, l, d)
     out = h + self.post_ffw_norm(dense + self.post_ffw2_norm(sparse))
     return out * scalar.astype(out.dtype)
 
@@ -58,10 +59,10 @@ class Block(nn.Module):
     h = x + self.post_attention_norm(attn)
     return self._feed_forward(h, self.encoder_scalar), keys, values
 
-  def denoise(self, x, positions, keys, values, length, block_length=None):
+  def denoise(self, x, positions, keys, values, length, block_length=None, skip_rows=None):
     h = x + self.post_attention_norm(self.attn.denoise(self.pre_attention_norm(x), positions, keys,
                                                        values, length, block_length))
-    return self._feed_forward(h, self.decoder_scalar)
+    return self._feed_forward(h, self.decoder_scalar, skip_rows)
 
 
 class SelfConditioning(nn.Module):
@@ -90,9 +91,11 @@ class DiffusionGemma(nn.Module):
     keys and values to the cache and returns next-token logits [B, L, V]. `num_tokens` [B] marks rows
     with fewer real tokens (the rest is padding, neither written nor attended to).
   - `denoise(canvas, cache, self_conditioning_logits)`: the canvas [B, C] at positions after the cache,
-    attending bidirectionally to the cache and itself; returns float32 logits [B, C, V]. The optional
-    logits [B, C, V] of a previous pass enter through self-conditioning; `self_conditioning_mask` [B]
-    zeroes that signal per row (None means a zero signal, which is not the same as zero logits).
+    attending bidirectionally to the cache and itself; returns float32 logits [B, C, V] (or, with
+    `return_hidden`, the final hidden states). The optional logits [B, C, V] of a previous pass (or their
+    expected embedding [B, C, D], `self_conditioning_embedding`) enter through self-conditioning;
+    `self_conditioning_mask` [B] zeroes that signal per row (None means a zero signal, which is not the
+    same as zero logits).
   - `__call__(prompt, canvas, ...)`: encode the prompt, then denoise the canvas.
 
   With `config.vision` (the Gemma 4 vision encoder), `encode` also takes images: `pixel_values`
@@ -185,8 +188,18 @@ class DiffusionGemma(nn.Module):
       raise ValueError("This model has no vision encoder (ModelConfig.vision=None): it cannot take images.")
 
   def denoise(self, canvas: Array, cache: KVCache | None = None, self_conditioning_logits: Array | None = None,
-              self_conditioning_mask: Array | None = None, *, block_length: int | None = None) -> Array:
+              self_conditioning_mask: Array | None = None, *, block_length: int | None = None,
+              self_conditioning_embedding: Array | None = None, return_hidden: bool = False,
+              skip_rows: Array | None = None) -> Array:
     """Denoiser logits [B, C, V] (float32) for `canvas` [B, C] given a read-only cache.
+
+    Self-conditioning comes as the previous pass's logits [B, C, V] (their expected embedding is taken
+    here) or directly as that expected embedding, softmax(logits) @ E * sqrt(D) [B, C, D]
+    (`self_conditioning_embedding`, what the sampler carries: `Embedder.soft_encode`'s value), not both.
+    `return_hidden`: the final hidden states [B, C, D] (after the final norm, in the compute dtype)
+    instead of the logits, for a vocabulary head that streams the vocabulary (`sampling.vocab`).
+    `skip_rows` [B]: rows whose output is not needed (a sampler's finished rows); the grouped experts
+    skip their tokens (their output is then meaningless), the other rows' outputs are unchanged.
 
     `block_length` (static) denoises C / block_length consecutive canvases in one block-causal pass
     (training every canvas at once): block i attends to the cache up to length + i * block_length and to
@@ -194,19 +207,28 @@ class DiffusionGemma(nn.Module):
     sequence, whose `length` is each row's first-canvas start.
     """
     b, c = canvas.shape
+    if self_conditioning_logits is not None and self_conditioning_embedding is not None:
+      raise ValueError("denoise takes self_conditioning_logits or self_conditioning_embedding, not both.")
     if cache is None:
       cache = self.init_cache(b, 0)
     x = self.embedder.encode(canvas)  # [B, C, D]
     signal = None
     if self_conditioning_logits is not None:
       signal = self.embedder.soft_encode(self_conditioning_logits)
-      if self_conditioning_mask is not None:
-        signal = signal * self_conditioning_mask.astype(signal.dtype)[:, None, None]
+    elif self_conditioning_embedding is not None:
+      signal = self_conditioning_embedding.astype(x.dtype)
+    if signal is not None and self_conditioning_mask is not None:
+      signal = signal * self_conditioning_mask.astype(signal.dtype)[:, None, None]
     x = self.self_conditioning(x, signal)
     positions = cache.length[:, None] + jnp.arange(c, dtype=jnp.int32)[None]  # [B, C]
     for i, block in enumerate(self.blocks):
-      x = block.denoise(x, positions, cache.keys[i], cache.values[i], cache.length, block_length)
-    return self.embedder.decode(self.final_norm(x))
+      x = block.denoise(x, positions, cache.keys[i], cache.values[i], cache.length, block_length, skip_rows)
+    x = self.final_norm(x)
+    return x if return_hidden else self.embedder.decode(x)
+
+  def embedding_table(self) -> Array:
+    """The embedding [V, D], which is also the LM head (tied), for a head outside the module."""
+    return self.embedder.input_embedding
 
   def __call__(self, prompt: Array, canvas: Array, self_conditioning_logits: Array | None = None,
                self_conditioning_mask: Array | None = None) -> Array:

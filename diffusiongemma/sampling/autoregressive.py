@@ -42,14 +42,16 @@ class _DecodeLoop:
 
 def sample_token(key: Array, logits: Array, temperature: Array, top_p: Array) -> Array:
   """One token from logits [V]: argmax when temperature == 0, else nucleus sampling at `temperature`."""
-  greedy = jnp.argmax(logits)
-  scaled = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-  order = jnp.argsort(-scaled, stable=True)
-  probs = jax.nn.softmax(scaled)[order]
-  keep_sorted = jnp.cumsum(probs) - probs < top_p  # the smallest prefix reaching top_p (at least one)
-  keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-  sampled = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf))
-  return jnp.where(temperature > 0, sampled, greedy).astype(jnp.int32)
+  def sample(logits):
+    scaled = logits.astype(jnp.float32) / temperature
+    order = jnp.argsort(-scaled, stable=True)
+    probs = jax.nn.softmax(scaled)[order]
+    keep_sorted = jnp.cumsum(probs) - probs < top_p  # the smallest prefix reaching top_p (at least one)
+    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+    return jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
+
+  greedy = lambda logits: jnp.argmax(logits).astype(jnp.int32)
+  return jax.lax.cond(temperature > 0, sample, greedy, logits)  # greedy decoding sorts nothing
 
 
 class ARSampler(prompts_lib.StaticArgument):

@@ -36,6 +36,9 @@ class SamplerConfig:
   canvas_length: None means the model's; anything else must equal it.
   prompt_bucket: prompts are right-padded to a multiple of this, so that nearby prompt lengths share one
     compiled program.
+  vocab_chunk_size: the vocabulary head streams the vocabulary in chunks of this many tokens, so that no
+    [batch, canvas, vocab] array exists (`sampling.vocab`); None: the whole vocabulary at once. The same
+    tokens either way, up to the order of float sums.
   """
 
   max_denoising_steps: int = 48
@@ -51,6 +54,7 @@ class SamplerConfig:
   stopping: str = "stable"
   canvas_length: int | None = None
   prompt_bucket: int = 64
+  vocab_chunk_size: int | None = 1024
 
   def __post_init__(self):
     if self.stop_tokens is not None:
@@ -85,8 +89,9 @@ class SamplerConfig:
         fail(field, f"must be one of {allowed}")
     if self.stop_tokens is not None and not all(is_int(t) and t >= 0 for t in self.stop_tokens):
       fail("stop_tokens", "must be non-negative token ids")
-    if self.canvas_length is not None and (not is_int(self.canvas_length) or self.canvas_length < 1):
-      fail("canvas_length", "must be None or a positive integer")
+    for field in ("canvas_length", "vocab_chunk_size"):
+      if getattr(self, field) is not None and (not is_int(getattr(self, field)) or getattr(self, field) < 1):
+        fail(field, "must be None or a positive integer")
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "SamplerConfig":

@@ -20,6 +20,7 @@ from diffusiongemma.diffusion import noise as noise_lib
 from diffusiongemma.model.attention import KVCache
 from diffusiongemma.sampling import prompts as prompts_lib
 from diffusiongemma.sampling import steps
+from diffusiongemma.sampling import vocab
 from diffusiongemma.sampling.config import SamplerConfig
 
 Array = jax.Array
@@ -69,12 +70,15 @@ class Sampler(prompts_lib.StaticArgument):
     1. start from the noise process's initial canvas (uniform: random tokens over the whole vocabulary;
        masked: all mask tokens), or the given `initial_canvas`;
     2. for n = N .. 1 steps remaining, while the row is not done: one denoiser pass over the canvas, with
-       the previous pass's temperature-scaled logits as self-conditioning; sample every position from
-       softmax(logits / T_n), T_n = t_min + (t_max - t_min) n / N; keep the samples the acceptance rule
-       accepts (default: the entropy bound, at least one per step) and let the noise process re-noise the
-       others; the row is done when the stopping rule fires (default: argmax canvas unchanged and mean
-       entropy below the confidence threshold) or nothing is left to change; done rows stop changing and
-       stop counting passes;
+       the previous pass's tempered distribution as self-conditioning (its expected embedding
+       softmax(logits / T) @ E * sqrt(D), the same as feeding those logits); per position, the entropy,
+       top probability and argmax of softmax(logits / T_n), T_n = t_min + (t_max - t_min) n / N, streamed
+       over the vocabulary (`sampling.vocab`, `SamplerConfig.vocab_chunk_size`); the acceptance rule
+       (default: the entropy bound, at least one per step) picks positions, which draw their token from
+       that distribution (one uniform each, inverse CDF), and the noise process re-noises the others;
+       the row is done when the stopping rule fires (default: argmax canvas unchanged and mean entropy
+       below the confidence threshold) or nothing is left to change; done rows stop changing, stop
+       counting passes, and their tokens skip the experts;
     3. commit the argmax canvas; pad everything after the first stop token; a row with a stop token is
        finished and its later canvases are pad;
     4. encode the committed canvas into the KV cache and go on to the next canvas.
@@ -111,6 +115,7 @@ class Sampler(prompts_lib.StaticArgument):
         max_denoising_steps=config.max_denoising_steps, t_max=config.t_max, t_min=config.t_min, noise=noise,
         acceptance=acceptance if acceptance is not None else build.acceptance_rule(config),
         stopping=stopping if stopping is not None else build.stopping_rule(config))
+    self.head = vocab.VocabHead.for_model(mc, noise.never_token, config.vocab_chunk_size)
 
   @property
   def noise(self) -> noise_lib.NoiseProcess:
@@ -182,8 +187,8 @@ class Sampler(prompts_lib.StaticArgument):
                                           cached)
     b = prompt.shape[0]
     canvas, num_given = self._initial_canvas(initial_canvas, b, num_canvases)
-    if cache is not None:
-      cache = self._fit_cache(cache, b, prompt.shape[1] + num_canvases * self.canvas_length)
+    if cache is not None:  # the last canvas is never encoded
+      cache = self._fit_cache(cache, b, prompt.shape[1] + (num_canvases - 1) * self.canvas_length)
     images = prompts_lib.check_images(self.model.config, images, prompt, lengths)
     return _program(self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
                     prompts_lib.row_keys(rng, b), cache, images, num_canvases=num_canvases,
@@ -196,9 +201,12 @@ class Sampler(prompts_lib.StaticArgument):
     return self.noise.initial_canvas(init_keys, self.canvas_length), step_keys
 
   def denoiser(self, variables, cache: KVCache) -> steps.Denoiser:
-    """The model's denoiser on a fixed cache, as the step wants it."""
+    """The model's denoiser on a fixed cache and its vocabulary head, as the step wants them."""
     model = self.model
-    return lambda canvas, sc, mask: model.apply(variables, canvas, cache, sc, mask, method=model.denoise)
+    hidden = lambda canvas, sc, mask, done: model.apply(
+        variables, canvas, cache, None, mask, return_hidden=True, self_conditioning_embedding=sc,
+        skip_rows=done, method=model.denoise)
+    return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table))
 
   def encode(self, variables, tokens: Array, cache: KVCache, num_tokens: Array | None = None,
              images: tuple[Array, Array] | None = None) -> KVCache:
@@ -216,15 +224,15 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
   stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
-  if cache is None:
-    cache = KVCache.empty(mc, b, prompt.shape[1] + num_canvases * c)
+  if cache is None:  # room for the prompt and every canvas but the last, which is never encoded
+    cache = KVCache.empty(mc, b, prompt.shape[1] + (num_canvases - 1) * c)
   cache = sampler.encode(variables, prompt, cache, lengths, images)
 
   def canvas_body(loop: _CanvasLoop) -> _CanvasLoop:
     k = loop.index
     start, step_keys = sampler.start_canvas(keys, k)
     start = jnp.where(k < num_given, jax.lax.dynamic_slice_in_dim(initial, k * c, c, axis=1), start)
-    state = steps.init_state(rules, start, loop.finished, mc.vocab_size)
+    state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype)
     state, step_trace = steps.denoise_canvas(rules, sampler.denoiser(variables, loop.cache), state,
                                              step_keys, return_trace)
     committed = state.argmax  # [B, C]

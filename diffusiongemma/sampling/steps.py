@@ -1,12 +1,15 @@
 """The pure denoising step, its loop state, and the `lax.while_loop` that runs one canvas.
 
 `denoise_step(rules, denoiser, state, keys)` is a pure function of its inputs: the model enters only
-through `denoiser(canvas, self_conditioning_logits, self_conditioning_mask) -> logits [B, C, V]`, the
-process only through `rules` (schedule, noise, acceptance and stopping objects), and the randomness only
-through one key per row, folded with the step index. Running it in a Python loop or in `lax.while_loop`
-gives the same tokens.
+through `denoiser` (the denoiser pass to final hidden states, and the vocabulary head that turns them into
+the step's statistics, draw and self-conditioning embedding, `sampling.vocab`), the process only through
+`rules` (schedule, noise, acceptance and stopping objects), and the randomness only through one key per
+row, folded with the step index. Running it in a Python loop or in `lax.while_loop` gives the same tokens.
 
-Axes: B batch, C canvas, V vocab, N steps.
+No [B, C, V] array: the loop carries self-conditioning as the expected embedding [B, C, D] in the
+parameter dtype, and the head streams the vocabulary.
+
+Axes: B batch, C canvas, D model, V vocab, N steps.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ import jax.numpy as jnp
 from diffusiongemma.diffusion import acceptance as acceptance_lib
 from diffusiongemma.diffusion import noise as noise_lib
 from diffusiongemma.diffusion import stopping as stopping_lib
+from diffusiongemma.sampling import vocab
 
 Array = jax.Array
-Denoiser = Callable[[Array, Array, Array], Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,21 @@ class Rules:
   stopping: stopping_lib.StoppingRule
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Denoiser:
+  """The model on a fixed cache, as a step uses it: `hidden(canvas [B, C], self-conditioning embedding
+  [B, C, D], its row mask [B], rows that are done [B]) -> final hidden states [B, C, D]` (those of rows
+  that are done are not used; the model may skip work on them), and the vocabulary head with its table
+  (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it).
+  `on_pass(stats, has_self_conditioning [B])`, if given, is called in the program after each pass (e.g. a
+  `jax.debug.callback` showing live drafts); it cannot change the step."""
+
+  hidden: Callable[[Array, Array, Array, Array], Array]
+  head: vocab.VocabHead
+  table: Array
+  on_pass: Callable[[acceptance_lib.TokenStats, Array], None] | None = None
+
+
 @flax.struct.dataclass
 class DenoiseState:
   """The loop carry of one canvas. Rows with `done` set no longer change (nor count passes)."""
@@ -49,7 +67,7 @@ class DenoiseState:
   step: Array  # [] int32: steps taken; the next step has N - step steps remaining
   canvas: Array  # [B, C] int32: the (partly noisy) canvas the next pass sees
   argmax: Array  # [B, C] int32: argmax canvas of the last pass (what is committed)
-  sc_logits: Array  # [B, C, V] float32: temperature-scaled logits fed back as self-conditioning
+  sc_embedding: Array  # [B, C, D] parameter dtype: softmax(logits / T) @ E * sqrt(D), fed back
   has_sc: Array  # [B] bool: false before the first pass (a zero self-conditioning signal)
   stop_state: Any  # the stopping rule's carry (e.g. the argmax history)
   fixed: Array  # [B, C] bool: positions that may no longer change (masked noise: unmasked ones)
@@ -78,25 +96,21 @@ def temperature(rules: Rules, remaining: Array) -> Array:
 
 
 def token_stats(scaled_logits: Array, keys: Array) -> acceptance_lib.TokenStats:
-  """Entropy, top probability, argmax and one sample per position of softmax(scaled_logits) [B, C, V]."""
-  logp = jax.nn.log_softmax(scaled_logits.astype(jnp.float32), axis=-1)
-  probs = jnp.exp(logp)
-  return acceptance_lib.TokenStats(
-      entropy=-jnp.sum(probs * logp, axis=-1),
-      confidence=jnp.max(probs, axis=-1),
-      argmax=jnp.argmax(scaled_logits, axis=-1).astype(jnp.int32),
-      sample=jax.vmap(jax.random.categorical)(keys, scaled_logits).astype(jnp.int32))
+  """Entropy, top probability, argmax and one draw per position of softmax(scaled_logits) [B, C, V] given
+  whole, with one uniform per position from each row's key [B] (the streamed head's draw, exactly)."""
+  return vocab.token_stats(scaled_logits, vocab.uniforms(keys, scaled_logits.shape[1]))
 
 
-def init_state(rules: Rules, canvas: Array, done: Array, vocab_size: int) -> DenoiseState:
-  """The state before the first pass over `canvas` [B, C]; `done` [B] rows are skipped entirely."""
+def init_state(rules: Rules, canvas: Array, done: Array, hidden_size: int, dtype=jnp.float32) -> DenoiseState:
+  """The state before the first pass over `canvas` [B, C]; `done` [B] rows are skipped entirely. `dtype`:
+  the self-conditioning embedding's (the parameter dtype)."""
   b, c = canvas.shape
   canvas = canvas.astype(jnp.int32)
   return DenoiseState(
       step=jnp.zeros((), jnp.int32),
       canvas=canvas,
       argmax=canvas,
-      sc_logits=jnp.zeros((b, c, vocab_size), jnp.float32),
+      sc_embedding=jnp.zeros((b, c, hidden_size), dtype),
       has_sc=jnp.zeros((b,), bool),
       stop_state=rules.stopping.init(b, c),
       fixed=rules.noise.initial_fixed(canvas),
@@ -109,35 +123,49 @@ def init_state(rules: Rules, canvas: Array, done: Array, vocab_size: int) -> Den
 def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array) -> DenoiseState:
   """One denoising pass: sample, accept, re-noise, check stopping (the released algorithm).
 
-  The denoiser sees the canvas and the previous step's scaled logits; every position is sampled from
-  softmax(logits / T); the acceptance rule keeps some of the samples among the positions not fixed; the
-  noise process decides what becomes of the others (uniform: re-drawn; masked: still masked). A row stops
-  when the stopping rule says so or nothing is left to change. The argmax canvas, the canvas and the
-  logits of rows that were already done are kept as they were.
+  The denoiser sees the canvas and the previous step's self-conditioning embedding; the head gives the
+  statistics of softmax(logits / T) per position; the acceptance rule keeps some positions among those
+  not fixed, and only those draw their token (one uniform per position, inverse CDF: the draw does not
+  change which are accepted); the noise process decides what becomes of the others (uniform: re-drawn;
+  masked: still masked). A row stops when the stopping rule says so or nothing is left to change. The
+  argmax canvas, the canvas and the self-conditioning of rows that were already done are kept as they were.
+
+  A constraint has two places here: the head's `restrict` (per vocabulary chunk; every statistic, the draw
+  and the self-conditioning then follow the restricted distribution; `HeadOutput.log_normalizer` turns
+  scaled logits into log-probabilities) and `committed` below, the argmax canvas it would replace with
+  its own choice (e.g. the automaton's best canvas).
   """
-  b = state.canvas.shape[0]
-  logits = rules.noise.prepare_logits(denoiser(state.canvas, state.sc_logits, state.has_sc))  # [B, C, V]
-  scaled = logits / temperature(rules, rules.max_denoising_steps - state.step)
+  b, c = state.canvas.shape
+  remaining = rules.max_denoising_steps - state.step
+  temp = temperature(rules, remaining)
   step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, state.step)
   sample_keys, noise_keys = jnp.moveaxis(jax.vmap(jax.random.split)(step_keys), 1, 0)
-  stats = token_stats(scaled, sample_keys)
+  uniforms = vocab.uniforms(sample_keys, c)  # [B, C]
+  hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
+  head = denoiser.head(denoiser.table, hidden, temp, uniforms)
+  stats = head.stats
+  if denoiser.on_pass is not None:
+    denoiser.on_pass(stats, state.has_sc)
+  committed = stats.argmax  # [B, C]: the canvas a constraint would choose instead
   accepted = rules.acceptance(stats, ~state.fixed)
-  canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, stats.sample, accepted, state.fixed)
-  argmax = jnp.where(fixed, canvas, stats.argmax)
-
   done = state.done
+  sample = denoiser.head.draw(denoiser.table, hidden, head, accepted & ~done[:, None], uniforms, temp)
+  stats = stats.replace(sample=sample)
+  canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, stats.sample, accepted, state.fixed)
+  argmax = jnp.where(fixed, canvas, committed)
+
   keep = done[:, None]
   argmax = jnp.where(keep, state.argmax, argmax)
   canvas = jnp.where(keep, state.canvas, canvas)
   fixed = jnp.where(keep, state.fixed, fixed)
-  scaled = jnp.where(keep[..., None], state.sc_logits, scaled)
+  sc_embedding = jnp.where(keep[..., None], state.sc_embedding, head.soft_embedding)
   stop, stop_state = rules.stopping(state.stop_state, stats.replace(argmax=argmax))
   stop |= jnp.all(fixed, axis=-1)  # nothing left to change
   return DenoiseState(
       step=state.step + 1,
       canvas=canvas,
       argmax=argmax,
-      sc_logits=scaled,
+      sc_embedding=sc_embedding,
       has_sc=jnp.ones((b,), bool),
       stop_state=stop_state,
       fixed=fixed,

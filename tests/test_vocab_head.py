@@ -1,0 +1,163 @@
+"""The streamed vocabulary head (`sampling.vocab`): one chunk is the unchunked path exactly, chunks equal it,
+the draw is an exact inverse CDF, and the sampler gives the same tokens with any chunk size."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import diffusiongemma as dg
+from diffusiongemma.diffusion import NEVER_LOGIT
+from diffusiongemma.model import layers
+from diffusiongemma.sampling import vocab
+
+V, D = 61, 16
+B, C = 2, 5
+
+
+def _inputs(seed=0, spread=3.0):
+  rng = np.random.default_rng(seed)
+  table = jnp.asarray(rng.standard_normal((V, D)) * spread / np.sqrt(D), jnp.float32)
+  hidden = jnp.asarray(rng.standard_normal((B, C, D)), jnp.float32)
+  uniforms = jnp.asarray(rng.uniform(size=(B, C)), jnp.float32)
+  return table, hidden, uniforms
+
+
+def _head(chunk_size=None, never_token=None, softcap=30.0):
+  return vocab.VocabHead(vocab_size=V, softcap=softcap, dtype="float32", never_token=never_token,
+                         chunk_size=chunk_size)
+
+
+@functools.partial(jax.jit, static_argnames=("head", "masked"))
+def _streamed(head, table, hidden, temperature, uniforms, masked=False):
+  """The head's output and the completed draw at every position."""
+  restrict = (lambda scaled, first: jnp.where((first + jnp.arange(scaled.shape[-1])) % 3 == 0, NEVER_LOGIT,
+                                              scaled)) if masked else None
+  out = head(table, hidden, temperature, uniforms, restrict)
+  sample = head.draw(table, hidden, out, jnp.ones(uniforms.shape, bool), uniforms, temperature, restrict)
+  return out, sample
+
+
+@functools.partial(jax.jit, static_argnames=("never_token",))
+def _unchunked(table, hidden, temperature, uniforms, never_token=None):
+  """The logits path: the model's LM head, the noise's never token, the temperature, then token_stats and
+  the embedder's soft_encode on the whole [B, C, V] logits."""
+  logits = layers.head_logits(hidden, table, jnp.float32, 30.0)
+  if never_token is not None:
+    logits = dg.diffusion.MaskedNoise(V, never_token).prepare_logits(logits)
+  scaled = logits / temperature
+  embedder = layers.Embedder(V, D, 30.0, jnp.float32, jnp.float32)
+  soft = embedder.apply({"params": {"input_embedding": table}}, scaled, method=embedder.soft_encode)
+  return vocab.token_stats(scaled, uniforms), soft
+
+
+@pytest.mark.parametrize("never_token", [None, 7])
+def test_one_chunk_is_the_unchunked_path_and_chunks_equal_it(never_token):
+  table, hidden, uniforms = _inputs()
+  temperature = jnp.float32(0.7)
+  want, want_soft = _unchunked(table, hidden, temperature, uniforms, never_token)
+  one, one_sample = _streamed(_head(None, never_token), table, hidden, temperature, uniforms)
+  # The same operations in another program: XLA may fuse the float sums differently (<= 1 ulp here).
+  for field in ("entropy", "confidence"):
+    np.testing.assert_allclose(getattr(one.stats, field), getattr(want, field), rtol=1e-6, err_msg=field)
+  np.testing.assert_allclose(one.soft_embedding, want_soft, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(one.stats.argmax, want.argmax)
+  np.testing.assert_array_equal(one_sample, want.sample)
+  assert ((one.stats.sample == want.argmax) | (one.stats.sample == -1)).all()
+  for chunk in (1, 13, 64):  # one token per chunk, a ragged last chunk, one chunk past the end
+    got, sample = _streamed(_head(chunk, never_token), table, hidden, temperature, uniforms)
+    np.testing.assert_allclose(got.stats.entropy, want.entropy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.stats.confidence, want.confidence, rtol=1e-5)
+    np.testing.assert_allclose(got.soft_embedding, want_soft, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got.stats.argmax, want.argmax)
+    np.testing.assert_array_equal(sample, want.sample)
+  if never_token is not None:
+    assert not (one_sample == never_token).any() and not (want.argmax == never_token).any()
+
+
+def test_statistics_against_numpy():
+  table, hidden, uniforms = _inputs(1)
+  temperature = jnp.float32(0.5)
+  out, _ = _streamed(_head(16), table, hidden, temperature, uniforms)
+  logits = np.asarray(layers.head_logits(hidden, table, jnp.float32, 30.0), np.float64) / 0.5
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+      - logits.max(-1, keepdims=True)
+  probs = np.exp(logp)
+  np.testing.assert_allclose(out.stats.entropy, -(probs * logp).sum(-1), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out.stats.confidence, probs.max(-1), rtol=1e-5)
+  np.testing.assert_allclose(out.log_normalizer, (logits - logp)[..., 0], rtol=1e-6)
+  soft = np.einsum("bcv,vd->bcd", probs, np.asarray(table)) * np.sqrt(D)
+  np.testing.assert_allclose(out.soft_embedding, soft, rtol=1e-4, atol=1e-5)
+
+
+def test_draw_is_an_inverse_cdf_argmax_first():
+  """For u on a fine grid, the draw equals numpy's inverse CDF over the order (argmax, then the other ids),
+  so that each token is drawn with its probability; chunked and unchunked alike."""
+  table, hidden, _ = _inputs(2, spread=1.0)
+  temperature = jnp.float32(1.0)
+  logits = np.asarray(layers.head_logits(hidden, table, jnp.float32, 30.0), np.float64)[0, 0]
+  probs = np.exp(logits - logits.max())
+  probs /= probs.sum()
+  top = int(np.argmax(probs))
+  order = np.concatenate([[top], np.delete(np.arange(V), top)])
+  edges = np.cumsum(probs[order])
+  grid = (np.arange(997) + 0.5) / 997
+  want = order[np.minimum(np.searchsorted(edges, grid, side="right"), V - 1)]
+  row = jnp.broadcast_to(hidden[:1, :1], (1, grid.size, D))
+  for chunk in (None, 7):
+    _, sample = _streamed(_head(chunk), table, row, temperature, jnp.asarray(grid[None], jnp.float32))
+    sample = np.asarray(sample)[0]
+    close = np.abs(edges[np.searchsorted(edges, grid, side="right") - 1] - grid) < 1e-5  # float ties
+    np.testing.assert_array_equal(sample[~close], want[~close])
+    counts = np.bincount(sample, minlength=V) / grid.size
+    assert np.abs(counts - probs).max() < 2 / grid.size
+
+
+def test_restricted_distribution_follows_the_restriction():
+  """`restrict` per chunk equals restricting the whole logits: every statistic and draw follows it."""
+  table, hidden, uniforms = _inputs(3)
+  temperature = jnp.float32(0.8)
+  logits = layers.head_logits(hidden, table, jnp.float32, 30.0) / temperature
+  masked = jnp.where(jnp.arange(V) % 3 == 0, NEVER_LOGIT, logits)
+  want = vocab.token_stats(masked, uniforms)
+  for chunk in (None, 10):
+    out, sample = _streamed(_head(chunk), table, hidden, temperature, uniforms, masked=True)
+    np.testing.assert_allclose(out.stats.entropy, want.entropy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(sample, want.sample)
+    assert (np.asarray(sample) % 3 != 0).all() and (np.asarray(out.stats.argmax) % 3 != 0).all()
+
+
+def test_draw_only_where_needed_and_rows_independent():
+  table, hidden, uniforms = _inputs(4, spread=0.5)  # flat distributions: most draws need the rest
+  temperature = jnp.float32(1.0)
+  head = _head(16)
+  out = jax.jit(head.__call__)(table, hidden, temperature, uniforms)
+  need = jnp.asarray([[True, False, True, False, True], [False] * 5])
+  draw = jax.jit(head.draw)
+  sample = np.asarray(draw(table, hidden, out, need, uniforms, temperature))
+  full = np.asarray(draw(table, hidden, out, jnp.ones_like(need), uniforms, temperature))
+  first = np.asarray(out.stats.sample)
+  assert (first == -1).sum() >= 4
+  np.testing.assert_array_equal(sample, np.where(np.asarray(need), full, first))
+  swapped = draw(table, hidden[::-1], jax.tree.map(lambda x: x[::-1], out), need[::-1], uniforms[::-1],
+                 temperature)
+  np.testing.assert_array_equal(np.asarray(swapped)[1], sample[0])
+
+
+def test_bad_chunk_size_is_rejected():
+  with pytest.raises(ValueError, match="vocab_chunk_size=0"):
+    dg.SamplerConfig(vocab_chunk_size=0)
+  with pytest.raises(ValueError, match="vocab_chunk_size=0"):
+    _head(0)
+
+
+def test_sampler_tokens_do_not_depend_on_the_chunk_size():
+  from test_sampling import CONFIG, TINY, random_params, _keys, _prompts  # pylint: disable=g-import-not-at-top
+  model = dg.DiffusionGemma(TINY)
+  params = random_params(model)
+  outs = [dg.Sampler(model, CONFIG.replace(vocab_chunk_size=size)).generate(
+      params, _prompts(0), _keys(1, 2, 3), 2 * TINY.canvas_length) for size in (None, 16)]
+  np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
+  np.testing.assert_array_equal(outs[0].canvas_passes, outs[1].canvas_passes)
