@@ -25,7 +25,7 @@ Recipe (found by experiment on the shared 2-core machine; see the branch's repor
   prompt's cache, so a step encodes 82 tokens instead of 163 (a step costs ~2.2 instead of ~3.6 CPU
   seconds). The weights then cannot decode autoregressively; the AR comparison is `:ar`.
 - Sampling: entropy bound 0.03 (see `config.sampler` below); the released stopping rule and schedule.
-- Training puzzles: a cached pool of 2048 puzzles with 30 clues (~25 s to generate), each example
+- Training puzzles: a cached pool of 4096 puzzles with 30 clues (~50 s to generate), each example
   under a random validity-preserving symmetry and with solution cells revealed up to U{30..45} clues.
   Held-out puzzles come from another seed stream (36-40 clues).
 
@@ -62,7 +62,7 @@ def get_config(arg=None):
   config.data.vocab_size = sudoku.VOCAB_SIZE
   config.data.prompt_length = sudoku.PROMPT_LENGTH
   config.data.num_canvases = 1
-  config.data.sudoku = dict(pool_size=2048, pool_clues=30, min_clues=30, max_clues=45,
+  config.data.sudoku = dict(pool_size=4096, pool_clues=30, min_clues=30, max_clues=45,
                             validation_size=256, validation_clues=(36, 37, 38, 39, 40))
 
   config.diffusion.noise = "masked"
