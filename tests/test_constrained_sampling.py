@@ -269,7 +269,7 @@ def test_sudoku_infilling_keeps_the_given_cells():
   config = build.workdir_config(workdir)
   weights = build.load(config, workdir=workdir)
   sampler = build.sampler(config, weights.model_config)
-  puzzles, solutions = zip(*(sudoku.generate(30, seed=7, split="test", index=i) for i in range(8)))
+  puzzles, solutions = zip(*(sudoku.generate(30, seed=7, split="validation", index=i) for i in range(8)))
   puzzles, solutions = np.asarray(puzzles), np.asarray(solutions)
   rng = np.random.default_rng(0)
   given = (puzzles != 0) | (rng.random(puzzles.shape) < 0.5)
