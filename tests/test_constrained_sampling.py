@@ -285,3 +285,42 @@ def test_sudoku_infilling_keeps_the_given_cells():
   solved = sudoku.check_solution(puzzles, sudoku.decode_solution(tokens))
   print(f"solved {solved.mean():.2f} of {len(puzzles)} half-given puzzles")
   assert solved.mean() >= 0.5
+
+
+# ---------------------------------------------------------------------------------------- chat
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+  import chat_fixtures  # pylint: disable=import-outside-toplevel
+  folder = tmp_path_factory.mktemp("chat_checkpoint")
+  chat_fixtures.write_chat_checkpoint(folder)
+  return folder
+
+
+def test_chat_replies_follow_a_regex_and_a_schema(chat_checkpoint):
+  jsonschema = pytest.importorskip("jsonschema")
+  chat = dg.ChatSampler.from_pretrained(chat_checkpoint, dtype="float32", prompt_bucket=128, max_new_tokens=32)
+  answer = chat.constraint(regex="(yes|no|maybe)")
+  schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+            "required": ["a", "b"]}
+  person = chat.constraint(json_schema=schema)
+  for seed in range(2):
+    reply = chat.send("Is 91 prime?", seed=seed, constraint=answer)
+    assert reply.text in ("yes", "no", "maybe") and reply.finished, reply
+    reply = chat.send("Give me JSON.", seed=seed, constraint=person)
+    jsonschema.validate(json.loads(reply.text), schema)
+  assert chat.send("And now?", seed=0).text not in ("yes", "no", "maybe")
+  with pytest.raises(ValueError, match="exactly one of regex= and json_schema="):
+    chat.constraint()
+
+
+@pytest.mark.slow
+def test_chat_script_with_a_regex(chat_checkpoint):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).parent.parent
+  result = subprocess.run(
+      [sys.executable, str(root / "scripts" / "chat.py"), f"--hf_checkpoint={chat_checkpoint}",
+       "--message=Is 91 prime?", "--regex=(yes|no)", "--max_new_tokens=16"],
+      capture_output=True, text=True, timeout=600, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert re.search(r"^(yes|no)$", result.stdout, re.M), result.stdout
