@@ -147,8 +147,9 @@ def main(argv):
         plain_argmax_ms=_best_ms(lambda: argmax(scores)))
   if any(x for x in _SAMPLE_BATCH.value):
     from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
-    report["sampling"] = dict(canvas=_CANVAS.value, steps=_STEPS.value, prompt_length=_PROMPT.value, by_batch=(
-        _generations(lambda sampler: constrained.Constraint.json_schema(schema, vocab, sampler), v)))
+    of = lambda sampler: constrained.Constraint.json_schema(schema, vocab, sampler)
+    report["sampling"] = dict(canvas=_CANVAS.value, steps=_STEPS.value, prompt_length=_PROMPT.value,
+                              by_batch=_generations(of, v))
   print(json.dumps(report, indent=1))
 
 

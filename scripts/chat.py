@@ -47,7 +47,7 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for the first tur
 _VIDEO = flags.DEFINE_string("video", None, "A video file for the first turn (1 frame per second).")
 _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
-_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file: every reply is JSON valid under it.")
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every reply is valid under.")
 _REGEX = flags.DEFINE_string("regex", None, "Every reply matches this regex (in full).")
 
 

@@ -8,7 +8,7 @@ r"""Samples from a DiffusionGemma model and prints the text and the sampler's st
   python scripts/sample.py --hf_checkpoint /path/to/hf_folder --image photo.jpg --prompt "This picture shows"
   python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --prompt "x = " \
       --infill "[MASK:4] + 1  # [MASK:6]"
-  python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --prompt "n = " --regex "[0-9]{1,6}"
+  python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --prompt "n = " --regex "[0-9]+"
 
 A transformers checkpoint folder (--hf_checkpoint) alone is enough: its tokenizer, its generation defaults
 (generation_config.json) changed by --preset, and its weights cast to --dtype over every local device
@@ -61,7 +61,7 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "An image file placed before eve
 _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
 _INFILL = flags.DEFINE_string("infill", None, "Output text with [MASK] / [MASK:n] markers to fill.")
 _REGEX = flags.DEFINE_string("regex", None, "Every output must match this regex (in full).")
-_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every output must be valid under.")
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every output is valid under.")
 
 
 def _prompts(prompt, prompt_file) -> list[str]:
@@ -119,7 +119,8 @@ def _constraint(sampler, tokenizer):
     if _REGEX.value is not None:
       return constrained.Constraint.regex(_REGEX.value, tokenizer, sampler)
     if _JSON_SCHEMA.value:
-      return constrained.Constraint.json_schema(pathlib.Path(_JSON_SCHEMA.value).read_text(), tokenizer, sampler)
+      schema = pathlib.Path(_JSON_SCHEMA.value).read_text()
+      return constrained.Constraint.json_schema(schema, tokenizer, sampler)
   except ValueError as error:
     raise app.UsageError(str(error)) from None
   return None
@@ -157,7 +158,8 @@ def main(argv):
     extra = {} if infill is None else dict(initial_canvas=np.tile(infill, (rows, 1)),
                                            given=np.tile(given, (rows, 1)))
     timing = benchmarks.time_call(sampler.generate, weights.variables, prompts, rng, max_new,
-                                  return_trace=_SHOW_STEPS.value, images=images, constraint=constraint, **extra)
+                                  return_trace=_SHOW_STEPS.value, images=images, constraint=constraint,
+                                  **extra)
     out = timing.output
     for i, text in enumerate(batch):
       ids = stats.new_tokens(out.tokens[i], sampler.stop_tokens, cfg.pad_id)

@@ -27,7 +27,8 @@ from test_sampling import CONFIG, NEW, TINY, _prompts, compiled_programs, random
 
 VOCAB = {i: ch for i, ch in zip(range(30, 61), '0123456789abcdefghij-., :;{}[]"')}
 REGEX = r"[a-c]{2,5}-[0-9]{1,4}(\.[0-9]+)?"
-NOISES = {"uniform": diffusion.UniformNoise(TINY.vocab_size), "masked": diffusion.MaskedNoise(TINY.vocab_size)}
+NOISES = {"uniform": diffusion.UniformNoise(TINY.vocab_size),
+          "masked": diffusion.MaskedNoise(TINY.vocab_size)}
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +130,8 @@ def test_the_step_commits_the_brute_force_best_canvas(noise):
   noise_process = diffusion.UniformNoise(v) if noise == "uniform" else diffusion.MaskedNoise(v, 6)
   rules = steps.Rules(max_denoising_steps=3, t_max=1.0, t_min=0.5, noise=noise_process,
                       acceptance=acceptance.EntropyBound(0.5), stopping=stopping.NoEarlyStop())
-  head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32", never_token=noise_process.never_token,
-                             chunk_size=3)
+  head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32",
+                             never_token=noise_process.never_token, chunk_size=3)
   start = jnp.full((b,), automaton.start, jnp.int32)
   after = jnp.asarray(2)  # two positions follow this canvas
   denoiser = steps.Denoiser(lambda *args: hidden, head, table,
@@ -207,7 +208,8 @@ def test_infilling_holds_the_given_positions_in_every_step(params, sampler):
       assert not trace.accepted[0, n, row][mask].any()
     stop = np.flatnonzero(np.isin(tokens[row], sampler.stop_tokens))
     end = stop[0] if stop.size else c
-    np.testing.assert_array_equal(tokens[row, :min(end, c)][mask[:end]], initial[row, :min(end, c)][mask[:end]])
+    end = min(end, c)
+    np.testing.assert_array_equal(tokens[row, :end][mask[:end]], initial[row, :end][mask[:end]])
   new = stats.new_token_counts(tokens, TINY.pad_id, given[:, :c])
   np.testing.assert_allclose(out.tokens_per_forward, new / np.maximum(passes.sum(-1), 1), rtol=1e-6)
   assert (new < stats.new_token_counts(tokens, TINY.pad_id)).all()
@@ -297,7 +299,8 @@ def chat_checkpoint(tmp_path_factory):
 
 
 def test_chat_replies_follow_a_regex(chat_checkpoint):
-  chat = dg.ChatSampler.from_pretrained(chat_checkpoint, dtype="float32", prompt_bucket=128, max_new_tokens=16)
+  chat = dg.ChatSampler.from_pretrained(chat_checkpoint, dtype="float32", prompt_bucket=128,
+                                        max_new_tokens=16)
   answer = chat.constraint(regex="(yes|no|maybe)")
   for seed in range(2):
     reply = chat.send("Is 91 prime?", seed=seed, constraint=answer)
@@ -309,7 +312,8 @@ def test_chat_replies_follow_a_regex(chat_checkpoint):
 @pytest.mark.slow
 def test_chat_replies_follow_a_json_schema(chat_checkpoint):
   jsonschema = pytest.importorskip("jsonschema")
-  chat = dg.ChatSampler.from_pretrained(chat_checkpoint, dtype="float32", prompt_bucket=128, max_new_tokens=32)
+  chat = dg.ChatSampler.from_pretrained(chat_checkpoint, dtype="float32", prompt_bucket=128,
+                                        max_new_tokens=32)
   schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
             "required": ["a", "b"]}
   constraint = chat.constraint(json_schema=schema)

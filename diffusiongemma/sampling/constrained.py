@@ -95,7 +95,8 @@ class Constraint:
     a, mc = self.automaton, sampler.model.config
     if a.vocab_size != mc.vocab_size:
       raise ValueError(f"The constraint was built over {a.vocab_size} token ids but the model has "
-                       f"vocab_size={mc.vocab_size}; build it with Constraint.regex/json_schema(..., sampler).")
+                       f"vocab_size={mc.vocab_size}; build it with Constraint.regex/json_schema(..., "
+                       "sampler).")
     extra = sorted(set(a.stop_tokens) - set(sampler.stop_tokens))
     if extra:
       raise ValueError(f"The constraint ends outputs with stop tokens {extra} that the sampler does not stop "
@@ -116,7 +117,8 @@ def _automaton_args(sampler) -> dict:
               pad_id=sampler.model.config.pad_id, disallowed_tokens=[] if never is None else [never])
 
 
-def check_given_fits(constraint: Constraint, tokens: np.ndarray, given: np.ndarray, positions_after: int) -> None:
+def check_given_fits(constraint: Constraint, tokens: np.ndarray, given: np.ndarray,
+                     positions_after: int) -> None:
   """Raises unless every row's given tokens [B, T] (where `given` [B, T]) leave some accepted output of
   T + `positions_after` tokens (a host-side reachability check over the automaton's states)."""
   a = constraint.automaton
@@ -156,11 +158,12 @@ class CanvasConstraint:
   def viterbi(self, scores: Array, held: Array, tokens: Array) -> cons.ViterbiResult:
     return cons.viterbi(self.tables, scores, self.start, self.end_ok, held, tokens)
 
-  def sample_step(self, rules: steps.Rules, denoiser: steps.Denoiser, state: steps.DenoiseState, hidden: Array,
-                  temp: Array, uniforms: Array, noise_keys: Array) -> steps.SampledStep:
+  def sample_step(self, rules: steps.Rules, denoiser: steps.Denoiser, state: steps.DenoiseState,
+                  hidden: Array, temp: Array, uniforms: Array, noise_keys: Array) -> steps.SampledStep:
     """`steps.plain_sample_step` under the constraint (see the module docstring)."""
     c = state.canvas.shape[1]
-    allowed = cons.allowed_tokens(self.tables, self.start, self.end_ok, c, state.fixed, state.canvas)  # [B, C, V]
+    allowed = cons.allowed_tokens(self.tables, self.start, self.end_ok, c, state.fixed,
+                                  state.canvas)  # [B, C, V]
     restrict = lambda scaled, first: jnp.where(allowed, scaled, NEVER_LOGIT)
     head = dataclasses.replace(denoiser.head, chunk_size=None)  # one chunk: `restrict` sees [B, C, V]
     out = head(denoiser.table, hidden, temp, uniforms, restrict)

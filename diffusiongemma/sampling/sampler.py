@@ -197,7 +197,9 @@ class Sampler(prompts_lib.StaticArgument):
     given [B, k * C] bool (infilling, with `initial_canvas`): positions of `initial_canvas` that are held:
     the other positions start as the noise's (random tokens, or the mask), given ones are never
     re-noised, accepted or changed, for either noise, and are not counted as new tokens
-    (`constraints.infill_canvas` builds both from text with `[MASK]` markers).
+    (`constraints.infill_canvas` builds both from text with `[MASK]` markers). A stop token drawn in a
+    hole still ends the output (everything after it, given text too, becomes pad): give a stop token at
+    the end of the text, or a constraint, to keep it whole.
     constraint: a `sampling.constrained.Constraint` built for this sampler: every output then matches it
     (see that module; a program is compiled per constraint object). Checked before anything compiles.
     """
@@ -212,7 +214,8 @@ class Sampler(prompts_lib.StaticArgument):
     if constraint is not None:
       from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
       if not isinstance(constraint, constrained.Constraint):
-        raise ValueError(f"constraint must be a sampling.constrained.Constraint, got {type(constraint).__name__}.")
+        raise ValueError("constraint must be a sampling.constrained.Constraint, got "
+                         f"{type(constraint).__name__}.")
       constraint.check(self, max_new_tokens)
       if held is not None:
         t = int(num_given) * self.canvas_length
@@ -254,7 +257,8 @@ class Sampler(prompts_lib.StaticArgument):
 @functools.partial(jax.jit, static_argnames=("sampler", "num_canvases", "return_trace", "return_cache",
                                              "constraint"))
 def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, images, given,
-             tables, *, num_canvases: int, return_trace: bool, return_cache: bool, constraint) -> SampleOutput:
+             tables, *, num_canvases: int, return_trace: bool, return_cache: bool,
+             constraint) -> SampleOutput:
   """given [B, K * C] bool or None; tables: the constraint's `AutomatonTables` or None (`constraint` None)."""
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length

@@ -59,7 +59,7 @@ class Denoiser:
   head: vocab.VocabHead
   table: Array
   on_pass: Callable[[acceptance_lib.TokenStats, Array], None] | None = None
-  constraint: Any = None  # e.g. `sampling.constrained.CanvasConstraint`: its `sample_step` replaces the plain one
+  constraint: Any = None  # e.g. `sampling.constrained.CanvasConstraint`, whose `sample_step` is used
 
 
 @flax.struct.dataclass
