@@ -1,4 +1,5 @@
-r"""Constraint cost: automaton construction time and size, and the per-step dynamic programs.
+r"""Constraint cost: automaton construction time and size, the per-step dynamic programs, and whole
+generations with and without the constraint, side by side.
 
 Without a checkpoint tokenizer offline, the vocabulary is a byte-level BPE (`tokenizers`) trained here on
 Python source (the standard library, plus installed packages when more text is needed for a large
@@ -6,7 +7,13 @@ vocabulary): a stand-in for the 262,144-entry Gemma vocabulary with the same siz
 `--tokenizer=tokenizer.json`. Prints one JSON object.
 
   python scripts/benchmark_constraints.py --vocab_size=8192 --batch=1,8
-  python scripts/benchmark_constraints.py --vocab_size=262144 --batch=        # construction only
+  python scripts/benchmark_constraints.py --vocab_size=262144 --batch= --sample_batch=  # construction only
+
+The generation figures (`sampling`): a randomly initialised configs/small.py body (hidden 256, 6 layers,
+16 experts top-2) with the tokenizer's vocabulary, canvas --canvas, a --prompt_length prompt, a fixed
+--steps denoising steps per canvas (no early stop, so both runs make the same passes), timed after a
+compiling call: tokens/s (new tokens: a constrained row stops at its stop token), passes/s and the
+seconds per generation, unconstrained and constrained in one process.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ _TOKENIZER = flags.DEFINE_string("tokenizer", None, "A tokenizer.json to use ins
 _SCHEMA = flags.DEFINE_string("schema", None, "A JSON schema file (default: a realistic user record).")
 _BATCH = flags.DEFINE_list("batch", ["1", "8"], "Batch sizes to time the dynamic programs at.")
 _CANVAS = flags.DEFINE_integer("canvas", 256, "Canvas length C.")
+_SAMPLE_BATCH = flags.DEFINE_list("sample_batch", ["1", "8"], "Batch sizes of the generations timed.")
+_STEPS = flags.DEFINE_integer("steps", 16, "Denoising steps per canvas in the timed generations.")
+_PROMPT = flags.DEFINE_integer("prompt_length", 64, "Prompt tokens in the timed generations.")
 
 DEFAULT_SCHEMA = {
     "type": "object",
@@ -84,6 +94,36 @@ def _best_ms(fn, repeats: int = 3) -> float:
   return round(1000 * min(times), 1)
 
 
+def _generations(constraint_of, v: int, repeats: int = 1) -> dict:
+  """Tokens/s and passes/s of whole generations without and with the constraint (see the docstring)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import diffusiongemma as dg  # pylint: disable=import-outside-toplevel
+  from diffusiongemma import benchmarks, build  # pylint: disable=import-outside-toplevel
+  from diffusiongemma.config_base import load_config_file  # pylint: disable=import-outside-toplevel
+  from diffusiongemma.sampling import stats  # pylint: disable=import-outside-toplevel
+  config = load_config_file(str(pathlib.Path(__file__).parent.parent / "configs" / "small.py"))
+  cfg = build.model_config(config).replace(vocab_size=v, canvas_length=_CANVAS.value)
+  sampler = dg.Sampler(dg.DiffusionGemma(cfg), dg.SamplerConfig(
+      max_denoising_steps=_STEPS.value, stopping="fixed", stop_tokens=(1,), prompt_bucket=64))
+  constraint = constraint_of(sampler)
+  variables = build.random_variables(cfg)
+  out = {}
+  for b in [int(x) for x in _SAMPLE_BATCH.value if x]:
+    prompts = np.random.default_rng(b).integers(2, v, (b, _PROMPT.value))
+    row = {}
+    for name, c in (("unconstrained", None), ("constrained", constraint)):
+      timing = benchmarks.time_call(sampler.generate, variables, prompts, jax.random.key(0), _CANVAS.value,
+                                    repeats=repeats, constraint=c)
+      summary = stats.summary(timing.output.tokens, timing.output.canvas_passes, cfg.pad_id, timing.median)
+      row[name] = dict(seconds=round(timing.median, 3), compile_seconds=round(timing.compile_seconds, 1),
+                       tokens_per_second=round(float(summary["tokens_per_second"]), 1),
+                       passes_per_second=round(summary["denoiser_passes"] / timing.median, 2),
+                       new_tokens=summary["new_tokens"])
+    row["seconds_ratio"] = round(row["constrained"]["seconds"] / row["unconstrained"]["seconds"], 2)
+    out[b] = row
+  return out
+
+
 def main(argv):
   del argv
   tok, kind = _tokenizer()
@@ -105,6 +145,11 @@ def main(argv):
         viterbi_ms=_best_ms(lambda: viterbi(tables, scores, start, end_ok).tokens),
         allowed_tokens_ms=_best_ms(lambda: allowed(tables, start, end_ok, _CANVAS.value)),
         plain_argmax_ms=_best_ms(lambda: argmax(scores)))
+  if any(x for x in _SAMPLE_BATCH.value):
+    from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
+    of = lambda sampler: constrained.Constraint.json_schema(schema, vocab, sampler)
+    report["sampling"] = dict(canvas=_CANVAS.value, steps=_STEPS.value, prompt_length=_PROMPT.value,
+                              by_batch=_generations(of, v))
   print(json.dumps(report, indent=1))
 
 

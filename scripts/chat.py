@@ -5,6 +5,8 @@ r"""Chat with a DiffusionGemma model in the Gemma 4 chat format: one turn, or a 
   python scripts/chat.py --hf_checkpoint=DIR --image=photo.jpg --message="What is in this picture?"
   python scripts/chat.py --hf_checkpoint=DIR --preset=code        # interactive: one turn per line
   python scripts/chat.py --workdir=W --tokenizer=DIR              # a model fine-tuned from the released one
+  python scripts/chat.py --hf_checkpoint=DIR --json_schema=person.json --message="Describe Ada Lovelace."
+  python scripts/chat.py --hf_checkpoint=DIR --regex="(yes|no)" --message="Is 91 prime?"
 
 --hf_checkpoint is a transformers checkpoint folder: its weights (cast to --dtype, placed over every local
 device), its tokenizer, its generation defaults and chat template; no --config or --workdir is needed.
@@ -16,7 +18,8 @@ Without --message, turns are read from stdin, one per line; `/reset` starts a ne
 (or end of input) quits. The conversation keeps its KV cache: each turn encodes only what it adds.
 --image / --video go with the first turn. In a terminal the reply is drawn live while it denoises,
 then the thought (under its own heading), the answer and the statistics; when stdout is not a terminal,
-the same as plain text, with nothing redrawn.
+the same as plain text, with nothing redrawn. --json_schema=FILE / --regex: every reply is JSON valid under
+the schema, or text matching the regex (`sampling.constrained`), then the end of turn.
 """
 
 import sys
@@ -44,6 +47,8 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for the first tur
 _VIDEO = flags.DEFINE_string("video", None, "A video file for the first turn (1 frame per second).")
 _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every reply is valid under.")
+_REGEX = flags.DEFINE_string("regex", None, "Every reply matches this regex (in full).")
 
 
 def _chat() -> dg.ChatSampler:
@@ -57,13 +62,25 @@ def _chat() -> dg.ChatSampler:
   raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --workdir=DIR.")
 
 
-def _turn(chat: dg.ChatSampler, message: str, media: dict, terminal: bool) -> None:
+def _constraint(chat: dg.ChatSampler):
+  """The --json_schema / --regex constraint, built once (one compiled program for every turn), or None."""
+  if _JSON_SCHEMA.value and _REGEX.value is not None:
+    raise ValueError("Pass --json_schema or --regex, not both.")
+  if _JSON_SCHEMA.value:
+    with open(_JSON_SCHEMA.value, encoding="utf-8") as f:
+      return chat.constraint(json_schema=f.read())
+  if _REGEX.value is not None:
+    return chat.constraint(regex=_REGEX.value)
+  return None
+
+
+def _turn(chat: dg.ChatSampler, message: str, media: dict, terminal: bool, constraint=None) -> None:
   on_prompt = (lambda text: print(display.format_prompt(text, style=terminal), flush=True)
                if _SHOW_PROMPT.value else None)
   live = display.LiveDraft() if terminal else None
   try:
     reply = chat.send(message, system=_SYSTEM.value, thinking=_THINKING.value, on_step=live,
-                      on_prompt=on_prompt, **media)
+                      on_prompt=on_prompt, constraint=constraint, **media)
   finally:
     if live is not None:
       live.clear()
@@ -79,6 +96,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   try:
     chat = _chat()
+    constraint = _constraint(chat)
   except (ValueError, FileNotFoundError) as error:  # bad folders, tokenizers, presets, budgets: said plainly
     _fail(error)
     sys.exit(1)
@@ -86,7 +104,7 @@ def main(argv):
   media = {"images": list(_IMAGE.value), "video": _VIDEO.value}
   if _MESSAGE.value is not None:
     try:
-      _turn(chat, _MESSAGE.value, media, terminal)
+      _turn(chat, _MESSAGE.value, media, terminal, constraint)
     except (ValueError, FileNotFoundError) as error:
       _fail(error)
       sys.exit(1)
@@ -104,7 +122,7 @@ def main(argv):
       continue
     if line.strip():
       try:
-        _turn(chat, line.rstrip("\n"), media, terminal)
+        _turn(chat, line.rstrip("\n"), media, terminal, constraint)
         media = {}
       except (ValueError, FileNotFoundError) as error:  # e.g. a conversation too long: the next turn may fit
         _fail(error)

@@ -6,6 +6,9 @@ r"""Samples from a DiffusionGemma model and prints the text and the sampler's st
       --prompt_file prompts.txt --batch_size 4 --autoregressive
   python scripts/sample.py --hf_checkpoint /path/to/hf_folder --prompt "The capital of France is"
   python scripts/sample.py --hf_checkpoint /path/to/hf_folder --image photo.jpg --prompt "This picture shows"
+  python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --prompt "x = " \
+      --infill "[MASK:4] + 1  # [MASK:6]"
+  python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --prompt "n = " --regex "[0-9]+"
 
 A transformers checkpoint folder (--hf_checkpoint) alone is enough: its tokenizer, its generation defaults
 (generation_config.json) changed by --preset, and its weights cast to --dtype over every local device
@@ -17,6 +20,12 @@ the sampler settings (config.sampler, overridden as --config.sampler.max_denoisi
 `build`, as in every binary. Prompts are plain text after bos (no chat format: scripts/chat.py has it);
 --image (repeatable) puts the images before every prompt (a model with a vision encoder). The first call
 compiles; the reported speed is a second call with the same shapes, so compile time is reported apart.
+
+--infill: the output starts as this text, whose `[MASK]` (one token) and `[MASK:n]` (n tokens) markers are
+the positions to fill; the rest of the text is held as given in every step (`constraints.infill_canvas`),
+and positions after it are free. --regex / --json_schema=FILE: every output matches the regex, or is JSON
+valid under the schema (`sampling.constrained`); they combine with --infill. Without --prompt, the prompt
+is bos alone.
 """
 
 import pathlib
@@ -25,11 +34,14 @@ from absl import app
 from absl import flags
 import jax
 from ml_collections import config_flags
+import numpy as np
 
 import diffusiongemma as dg
 from diffusiongemma import benchmarks
 from diffusiongemma import build
 from diffusiongemma.data import images as images_lib
+from diffusiongemma.diffusion import constraints as cons
+from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import stats
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
@@ -47,10 +59,15 @@ _PRESET = flags.DEFINE_string("preset", "default", "With --hf_checkpoint alone: 
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
 _IMAGE = flags.DEFINE_multi_string("image", [], "An image file placed before every prompt (repeatable).")
 _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
+_INFILL = flags.DEFINE_string("infill", None, "Output text with [MASK] / [MASK:n] markers to fill.")
+_REGEX = flags.DEFINE_string("regex", None, "Every output must match this regex (in full).")
+_JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every output is valid under.")
 
 
 def _prompts(prompt, prompt_file) -> list[str]:
   texts = list(prompt)
+  if not texts and not prompt_file and _INFILL.value is not None:
+    return [""]
   if prompt_file:
     texts += [line.rstrip("\n").replace("\\n", "\n") for line in
               pathlib.Path(prompt_file).read_text().splitlines() if line.strip()]
@@ -95,6 +112,33 @@ def _with_images(prompts: list[list[int]], cfg):
   return prompts, (pixel_values, position_ids)
 
 
+def _constraint(sampler, tokenizer):
+  if _REGEX.value is not None and _JSON_SCHEMA.value:
+    raise app.UsageError("Pass --regex or --json_schema, not both.")
+  try:
+    if _REGEX.value is not None:
+      return constrained.Constraint.regex(_REGEX.value, tokenizer, sampler)
+    if _JSON_SCHEMA.value:
+      schema = pathlib.Path(_JSON_SCHEMA.value).read_text()
+      return constrained.Constraint.json_schema(schema, tokenizer, sampler)
+  except ValueError as error:
+    raise app.UsageError(str(error)) from None
+  return None
+
+
+def _infill(sampler, tokenizer, max_new: int):
+  """(initial canvas [T], given [T]) of --infill, or (None, None)."""
+  if _INFILL.value is None:
+    return None, None
+  c = sampler.canvas_length
+  length = -(-max_new // c) * c
+  try:
+    canvas = cons.infill_canvas(_INFILL.value, tokenizer, length=length, pad_id=sampler.model.config.pad_id)
+  except ValueError as error:
+    raise app.UsageError(str(error)) from None
+  return canvas.tokens, canvas.given
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -102,24 +146,30 @@ def main(argv):
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config
   print(f"weights: {weights.source}; sampler: {stats.describe(sampler.settings())}")
+  constraint = _constraint(sampler, tokenizer)
+  infill, given = _infill(sampler, tokenizer, max_new)
   texts = _prompts(_PROMPT.value, _PROMPT_FILE.value)
   size = _BATCH.value or len(texts)
   for b, start in enumerate(range(0, len(texts), size)):
     batch = texts[start:start + size]
     prompts, images = _with_images([[tokenizer.bos_id] + tokenizer.encode(t) for t in batch], cfg)
     rng = jax.random.key(_SEED.value + b)
+    rows = len(prompts)
+    extra = {} if infill is None else dict(initial_canvas=np.tile(infill, (rows, 1)),
+                                           given=np.tile(given, (rows, 1)))
     timing = benchmarks.time_call(sampler.generate, weights.variables, prompts, rng, max_new,
-                                  return_trace=_SHOW_STEPS.value, images=images)
+                                  return_trace=_SHOW_STEPS.value, images=images, constraint=constraint,
+                                  **extra)
     out = timing.output
     for i, text in enumerate(batch):
       ids = stats.new_tokens(out.tokens[i], sampler.stop_tokens, cfg.pad_id)
       print(f"--- [{i}] {text!r}\n{tokenizer.decode([t for t in ids if t not in sampler.stop_tokens])}")
       if _SHOW_STEPS.value:
         print("\n".join(stats.format_steps(out, tokenizer.decode, i, sampler.noise.never_token)))
-    summary = stats.summary(out.tokens, out.canvas_passes, cfg.pad_id, timing.median)
+    summary = stats.summary(out.tokens, out.canvas_passes, cfg.pad_id, timing.median, extra.get("given"))
     print(f"diffusion: {stats.describe(summary)}; compile {timing.compile_seconds:.2f} s")
-    if _AR.value and images is not None:
-      print("autoregressive: skipped (the AR sampler takes no images)")
+    if _AR.value and (images is not None or extra or constraint is not None):
+      print("autoregressive: skipped (the AR sampler takes no images, infilling or constraint)")
     elif _AR.value:
       ar = benchmarks.time_call(ar_sampler.generate, weights.variables, prompts, rng, max_new)
       count = int(stats.new_token_counts(ar.output.tokens, cfg.pad_id).sum())

@@ -44,6 +44,7 @@ from diffusiongemma.chat import format as fmt
 from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.data import images as images_lib
 from diffusiongemma.model import DiffusionGemma, KVCache
+from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import presets
 from diffusiongemma.sampling import prompts as prompts_lib
 from diffusiongemma.sampling import sampler as sampler_lib
@@ -268,7 +269,7 @@ class ChatSampler:
   def send(self, message: str, system: str | None = None, thinking: bool = False, images: Sequence[Any] = (),
            video: Any = None, max_new_tokens: int | None = None, seed: int | None = None,
            on_step: Callable[[Draft], None] | None = None,
-           on_prompt: Callable[[str], None] | None = None) -> Reply:
+           on_prompt: Callable[[str], None] | None = None, constraint=None) -> Reply:
     """Answers `message` as the next user turn and returns the `Reply`.
 
     system: sets the system prompt from this turn on (None keeps the current one; '' removes it).
@@ -277,7 +278,9 @@ class ChatSampler:
     (frames, fps) of arrays, or `data.images.sample_video`'s output, sampled at 1 fps up to 60 s, each
     frame at `video_budget` soft tokens after its "mm:ss" timestamp, after the images. seed: this turn's sampling
     seed. on_step: called live with a `Draft` after every denoiser pass. on_prompt: called with the
-    rendered prompt text before anything is encoded. Nothing of the conversation changes if it raises.
+    rendered prompt text before anything is encoded. constraint: a `sampling.constrained.Constraint` the
+    reply must follow (`self.constraint(regex=...)` or `(json_schema=...)` builds one for this
+    conversation's tokenizer and stop tokens). Nothing of the conversation changes if it raises.
     """
     if not isinstance(message, str):
       raise TypeError(f"message must be a str, got {type(message).__name__}.")
@@ -310,7 +313,7 @@ class ChatSampler:
     start = time.perf_counter()
     with self._listening(on_step):
       out = sampler.generate(self.variables, [ids[cut:]], self._rng(seed), max_new, cache=cache,
-                             return_cache=True, images=pixels)
+                             return_cache=True, images=pixels, constraint=constraint)
       out = jax.block_until_ready(out)
     seconds = time.perf_counter() - start
 
@@ -328,6 +331,16 @@ class ChatSampler:
     self._cached_ids = ids + row[:int(out.cache.length[0]) - len(ids)].tolist()
     self._turns += 1
     return Reply(parts.text, parts.thought, tokens, parts.finished, prompt_text, summary)
+
+  def constraint(self, regex: str | None = None, json_schema: Mapping | str | None = None, **kwargs):
+    """A `sampling.constrained.Constraint` for `send`: replies that match `regex`, or JSON texts valid
+    under `json_schema` (a dict or JSON text; kwargs: `Constraint.json_schema`'s), then the end of turn.
+    Build it once and reuse it: each constraint object compiles its own program."""
+    if (regex is None) == (json_schema is None):
+      raise ValueError("Pass exactly one of regex= and json_schema=.")
+    if regex is not None:
+      return constrained.Constraint.regex(regex, self.tokenizer, self.sampler)
+    return constrained.Constraint.json_schema(json_schema, self.tokenizer, self.sampler, **kwargs)
 
   def _empty_cache(self) -> KVCache:
     """An empty cache, on the parameters' mesh when they have one (as the caches the program returns are,

@@ -3,11 +3,13 @@
 Imports neither `data` nor `training`: a sampler needs a model, its parameters and the diffusion objects.
 """
 
+from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import prompts
 from diffusiongemma.sampling import stats
 from diffusiongemma.sampling.autoregressive import ARSampleOutput
 from diffusiongemma.sampling.autoregressive import ARSampler
 from diffusiongemma.sampling.config import SamplerConfig
+from diffusiongemma.sampling.constrained import Constraint
 from diffusiongemma.sampling.sampler import SampleOutput
 from diffusiongemma.sampling.sampler import Sampler
 from diffusiongemma.sampling.steps import DenoiseState
@@ -15,6 +17,6 @@ from diffusiongemma.sampling.steps import Rules
 from diffusiongemma.sampling.steps import StepTrace
 
 __all__ = [
-    "ARSampleOutput", "ARSampler", "DenoiseState", "Rules", "SampleOutput", "Sampler", "SamplerConfig",
-    "StepTrace", "prompts", "stats",
+    "ARSampleOutput", "ARSampler", "Constraint", "DenoiseState", "Rules", "SampleOutput", "Sampler",
+    "SamplerConfig", "StepTrace", "constrained", "prompts", "stats",
 ]

@@ -35,7 +35,7 @@ class SampleOutput:
     (not truncated to max_new_tokens, as the reference); after a row's first stop token, pad.
   num_denoiser_passes [B]: passes that counted for the row (none after it stopped or finished).
   tokens_per_forward [B]: the row's new (non-pad) tokens / its denoiser passes (the reference's
-    definition; `sampling.stats` names the run-level summaries).
+    definition; `sampling.stats` names the run-level summaries); with `given`, given positions are not new.
   canvas_passes [B, K]: denoiser passes (steps) per canvas; 0 for canvases after a row finished.
   trace: with `return_trace`, a `StepTrace` of [K, N, B, C] arrays (argmax canvas, canvas after
     re-noising, accepted positions) for every step; else None.
@@ -61,6 +61,7 @@ class _CanvasLoop:
   finished: Array  # [B] bool: the row produced a stop token
   canvas_passes: Array  # [B, K] int32
   trace: steps.StepTrace | None
+  automaton_state: Array | None  # [B] int32 with a constraint: the state after the committed canvases
 
 
 class Sampler(prompts_lib.StaticArgument):
@@ -136,12 +137,16 @@ class Sampler(prompts_lib.StaticArgument):
             "dtype": self.model.config.dtype}
 
   # ---------------------------------------------------------------------------------------- inputs
-  def _initial_canvas(self, initial_canvas, batch_size: int, num_canvases: int) -> tuple[Array, Array]:
-    """(canvases [B, K * C], how many of them are given) so that the compiled shapes never change."""
+  def _initial_canvas(self, initial_canvas, batch_size: int, num_canvases: int,
+                      given=None) -> tuple[Array, Array, np.ndarray | None]:
+    """(canvases [B, K * C], how many of them are given, the given positions [B, K * C] or None) so that
+    the compiled shapes never change."""
     c, v = self.canvas_length, self.model.config.vocab_size
     full = np.zeros((batch_size, num_canvases * c), np.int32)
     if initial_canvas is None:
-      return jnp.asarray(full), jnp.zeros((), jnp.int32)
+      if given is not None:
+        raise ValueError("given (the positions held for infilling) needs the initial_canvas that holds them.")
+      return jnp.asarray(full), jnp.zeros((), jnp.int32), None
     canvas = np.asarray(initial_canvas)
     if canvas.ndim == 1:
       canvas = canvas[None]
@@ -152,7 +157,16 @@ class Sampler(prompts_lib.StaticArgument):
     if not np.issubdtype(canvas.dtype, np.integer) or ((canvas < 0) | (canvas >= v)).any():
       raise ValueError(f"initial_canvas must hold token ids in the vocabulary [0, {v}).")
     full[:, :canvas.shape[1]] = canvas
-    return jnp.asarray(full), jnp.asarray(canvas.shape[1] // c, jnp.int32)
+    held = None
+    if given is not None:
+      mask = np.asarray(given)
+      mask = mask[None] if mask.ndim == 1 else mask
+      if mask.shape != canvas.shape or mask.dtype != np.bool_:
+        raise ValueError(f"given must be a bool mask of initial_canvas's shape {canvas.shape}, got "
+                         f"{mask.dtype} {mask.shape}.")
+      held = np.zeros(full.shape, bool)
+      held[:, :canvas.shape[1]] = mask
+    return jnp.asarray(full), jnp.asarray(canvas.shape[1] // c, jnp.int32), held
 
   def _fit_cache(self, cache: KVCache, batch_size: int, needed_after: int) -> KVCache:
     """`cache` with room for `needed_after` more positions after its longest row (grown by buckets)."""
@@ -168,7 +182,7 @@ class Sampler(prompts_lib.StaticArgument):
   # ---------------------------------------------------------------------------------------- generate
   def generate(self, params, prompt_tokens, rng, max_new_tokens: int = 256, prompt_lengths=None,
                initial_canvas=None, *, cache: KVCache | None = None, return_cache: bool = False,
-               return_trace: bool = False, images=None) -> SampleOutput:
+               return_trace: bool = False, images=None, given=None, constraint=None) -> SampleOutput:
     """Generates ceil(max_new_tokens / C) canvases after each prompt.
 
     prompt_tokens [B, L] (right-padded when `prompt_lengths` [B] is given, or a list of token lists);
@@ -179,6 +193,15 @@ class Sampler(prompts_lib.StaticArgument):
     batch, row 0's first (`data.images.stack`), for a model with a vision encoder; their soft tokens fill
     the prompts' expanded `image_id` placeholders (`data.images.expand_image_placeholders`), in order, at
     the prompt's encoding only. Rows without placeholders batch with rows that have some.
+
+    given [B, k * C] bool (infilling, with `initial_canvas`): positions of `initial_canvas` that are held:
+    the other positions start as the noise's (random tokens, or the mask), given ones are never
+    re-noised, accepted or changed, for either noise, and are not counted as new tokens
+    (`constraints.infill_canvas` builds both from text with `[MASK]` markers). A stop token drawn in a
+    hole still ends the output (everything after it, given text too, becomes pad): give a stop token at
+    the end of the text, or a constraint, to keep it whole.
+    constraint: a `sampling.constrained.Constraint` built for this sampler: every output then matches it
+    (see that module; a program is compiled per constraint object). Checked before anything compiles.
     """
     num_canvases = math.ceil(prompts_lib.check_max_new_tokens(max_new_tokens) / self.canvas_length)
     cached = 0 if cache is None else int(jnp.max(cache.length))
@@ -186,13 +209,26 @@ class Sampler(prompts_lib.StaticArgument):
                                           num_canvases * self.canvas_length, self.config.prompt_bucket,
                                           cached)
     b = prompt.shape[0]
-    canvas, num_given = self._initial_canvas(initial_canvas, b, num_canvases)
+    canvas, num_given, held = self._initial_canvas(initial_canvas, b, num_canvases, given)
+    tables = None
+    if constraint is not None:
+      from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
+      if not isinstance(constraint, constrained.Constraint):
+        raise ValueError("constraint must be a sampling.constrained.Constraint, got "
+                         f"{type(constraint).__name__}.")
+      constraint.check(self, max_new_tokens)
+      if held is not None:
+        t = int(num_given) * self.canvas_length
+        constrained.check_given_fits(constraint, np.asarray(canvas)[:, :t], held[:, :t],
+                                     num_canvases * self.canvas_length - t)
+      tables = constraint.tables
     if cache is not None:  # the last canvas is never encoded
       cache = self._fit_cache(cache, b, prompt.shape[1] + (num_canvases - 1) * self.canvas_length)
     images = prompts_lib.check_images(self.model.config, images, prompt, lengths)
     return _program(self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
-                    prompts_lib.row_keys(rng, b), cache, images, num_canvases=num_canvases,
-                    return_trace=return_trace, return_cache=return_cache)
+                    prompts_lib.row_keys(rng, b), cache, images, None if held is None else jnp.asarray(held),
+                    tables, num_canvases=num_canvases, return_trace=return_trace, return_cache=return_cache,
+                    constraint=constraint)
 
   def start_canvas(self, keys: Array, canvas_index) -> tuple[Array, Array]:
     """(first canvas [B, C], step keys [B]) of canvas `canvas_index`, from the row keys."""
@@ -218,9 +254,12 @@ class Sampler(prompts_lib.StaticArgument):
                        pixel_values=pixel_values, image_position_ids=position_ids, method=model.encode)[1]
 
 
-@functools.partial(jax.jit, static_argnames=("sampler", "num_canvases", "return_trace", "return_cache"))
-def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, images, *,
-             num_canvases: int, return_trace: bool, return_cache: bool) -> SampleOutput:
+@functools.partial(jax.jit, static_argnames=("sampler", "num_canvases", "return_trace", "return_cache",
+                                             "constraint"))
+def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, images, given,
+             tables, *, num_canvases: int, return_trace: bool, return_cache: bool,
+             constraint) -> SampleOutput:
+  """given [B, K * C] bool or None; tables: the constraint's `AutomatonTables` or None (`constraint` None)."""
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
   stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
@@ -231,10 +270,19 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   def canvas_body(loop: _CanvasLoop) -> _CanvasLoop:
     k = loop.index
     start, step_keys = sampler.start_canvas(keys, k)
-    start = jnp.where(k < num_given, jax.lax.dynamic_slice_in_dim(initial, k * c, c, axis=1), start)
-    state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype)
-    state, step_trace = steps.denoise_canvas(rules, sampler.denoiser(variables, loop.cache), state,
-                                             step_keys, return_trace)
+    held = None
+    if given is None:
+      start = jnp.where(k < num_given, jax.lax.dynamic_slice_in_dim(initial, k * c, c, axis=1), start)
+    else:  # infilling: given positions from the initial canvas, the others from the noise
+      held = jax.lax.dynamic_slice_in_dim(given, k * c, c, axis=1)
+      start = jnp.where(held, jax.lax.dynamic_slice_in_dim(initial, k * c, c, axis=1), start)
+    state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype, held)
+    denoiser = sampler.denoiser(variables, loop.cache)
+    if constraint is not None:
+      from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
+      denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint.for_canvas(
+          tables, loop.automaton_state, (num_canvases - 1 - k) * c))
+    state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace)
     committed = state.argmax  # [B, C]
     is_stop = jnp.isin(committed, stop_tokens)
     seen = jnp.cumsum(is_stop, axis=-1)
@@ -244,21 +292,27 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     if return_trace:
       trace = jax.tree.map(lambda all_, one: all_.at[k].set(one), trace, step_trace)
     commit = lambda cc: sampler.encode(variables, committed, cc)
+    automaton_state = loop.automaton_state
+    if constraint is not None:
+      from diffusiongemma.diffusion import constraints as cons  # pylint: disable=import-outside-toplevel
+      automaton_state = cons.advance(tables, automaton_state, committed)
     return _CanvasLoop(
         index=k + 1,
         cache=jax.lax.cond(k + 1 < num_canvases, commit, lambda cc: cc, loop.cache),
         tokens=jax.lax.dynamic_update_slice_in_dim(loop.tokens, committed, k * c, axis=1),
         finished=loop.finished | is_stop.any(axis=-1),
         canvas_passes=loop.canvas_passes.at[:, k].set(state.passes),
-        trace=trace)
+        trace=trace, automaton_state=automaton_state)
 
   loop = _CanvasLoop(
       index=jnp.zeros((), jnp.int32), cache=cache, tokens=jnp.full((b, num_canvases * c), mc.pad_id, jnp.int32),
       finished=jnp.zeros((b,), bool), canvas_passes=jnp.zeros((b, num_canvases), jnp.int32),
-      trace=steps.StepTrace.zeros((num_canvases, rules.max_denoising_steps, b, c)) if return_trace else None)
+      trace=steps.StepTrace.zeros((num_canvases, rules.max_denoising_steps, b, c)) if return_trace else None,
+      automaton_state=None if constraint is None else jnp.full((b,), constraint.automaton.start, jnp.int32))
   loop = jax.lax.while_loop(lambda lp: (lp.index < num_canvases) & ~jnp.all(lp.finished), canvas_body, loop)
   passes = loop.canvas_passes.sum(axis=-1)
-  valid = jnp.sum(loop.tokens != mc.pad_id, axis=-1)
+  new = loop.tokens != mc.pad_id
+  valid = jnp.sum(new if given is None else new & ~given, axis=-1)
   return SampleOutput(tokens=loop.tokens, num_denoiser_passes=passes,
                       tokens_per_forward=valid / jnp.maximum(passes, 1), canvas_passes=loop.canvas_passes,
                       trace=loop.trace, cache=loop.cache if return_cache else None)

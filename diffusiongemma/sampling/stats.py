@@ -3,7 +3,8 @@
 Definitions (the same in the sampler output, `scripts/sample.py`, the benchmark, the sweep, the
 evaluations and the notebook):
 - a row's **new tokens**: its non-pad output tokens, which run up to and including its first stop token
-  (after it everything is pad), as transformers' `generate` counts them;
+  (after it everything is pad), as transformers' `generate` counts them; when infilling, the given
+  positions are not new;
 - a row's **tokens per forward**: its new tokens / its denoiser passes (`SampleOutput.tokens_per_forward`;
   what transformers returns, one per row);
 - a run's **pooled_tokens_per_forward**: all new tokens / all denoiser passes of every row;
@@ -23,9 +24,14 @@ import numpy as np
 from diffusiongemma.sampling.sampler import SampleOutput
 
 
-def new_token_counts(tokens, pad_id: int) -> np.ndarray:
-  """New tokens per row [B] of output tokens [B, T] (non-pad)."""
-  return np.sum(np.asarray(tokens) != pad_id, axis=-1)
+def new_token_counts(tokens, pad_id: int, given=None) -> np.ndarray:
+  """New tokens per row [B] of output tokens [B, T] (non-pad); with `given` [B, t <= T] (infilling), the
+  given positions are not new."""
+  new = np.asarray(tokens) != pad_id
+  if given is not None:
+    given = np.asarray(given, bool).reshape(new.shape[0], -1)
+    new[:, :given.shape[1]] &= ~given
+  return np.sum(new, axis=-1)
 
 
 def new_tokens(row, stop_tokens: Sequence[int], pad_id: int) -> list[int]:
@@ -39,10 +45,11 @@ def new_tokens(row, stop_tokens: Sequence[int], pad_id: int) -> list[int]:
   return out
 
 
-def summary(tokens, canvas_passes, pad_id: int, seconds: float | None = None) -> dict[str, float]:
+def summary(tokens, canvas_passes, pad_id: int, seconds: float | None = None, given=None) -> dict[str, float]:
   """Run-level statistics of one or several outputs' `tokens` [B, T] and `canvas_passes` [B, K] (rows
-  concatenated); with `seconds`, the wall time they took, tokens_per_second too."""
-  counts = new_token_counts(tokens, pad_id)
+  concatenated); with `seconds`, the wall time they took, tokens_per_second too; `given`: see
+  `new_token_counts`."""
+  counts = new_token_counts(tokens, pad_id, given)
   passes = np.asarray(canvas_passes)
   per_row = passes.sum(-1)
   ran = passes[passes > 0]

@@ -52,12 +52,14 @@ class Denoiser:
   that are done are not used; the model may skip work on them), and the vocabulary head with its table
   (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it).
   `on_pass(stats, has_self_conditioning [B])`, if given, is called in the program after each pass (e.g. a
-  `jax.debug.callback` showing live drafts); it cannot change the step."""
+  `jax.debug.callback` showing live drafts); it cannot change the step. `constraint`, if given, takes over
+  the vocabulary end of the step (`sample_step`, same signature as `plain_sample_step`)."""
 
   hidden: Callable[[Array, Array, Array, Array], Array]
   head: vocab.VocabHead
   table: Array
   on_pass: Callable[[acceptance_lib.TokenStats, Array], None] | None = None
+  constraint: Any = None  # e.g. `sampling.constrained.CanvasConstraint`, whose `sample_step` is used
 
 
 @flax.struct.dataclass
@@ -101,9 +103,11 @@ def token_stats(scaled_logits: Array, keys: Array) -> acceptance_lib.TokenStats:
   return vocab.token_stats(scaled_logits, vocab.uniforms(keys, scaled_logits.shape[1]))
 
 
-def init_state(rules: Rules, canvas: Array, done: Array, hidden_size: int, dtype=jnp.float32) -> DenoiseState:
+def init_state(rules: Rules, canvas: Array, done: Array, hidden_size: int, dtype=jnp.float32,
+               given: Array | None = None) -> DenoiseState:
   """The state before the first pass over `canvas` [B, C]; `done` [B] rows are skipped entirely. `dtype`:
-  the self-conditioning embedding's (the parameter dtype)."""
+  the self-conditioning embedding's (the parameter dtype). `given` [B, C] bool: positions held as they are
+  (infilling): fixed from the start, so never accepted, re-noised or changed."""
   b, c = canvas.shape
   canvas = canvas.astype(jnp.int32)
   return DenoiseState(
@@ -113,11 +117,42 @@ def init_state(rules: Rules, canvas: Array, done: Array, hidden_size: int, dtype
       sc_embedding=jnp.zeros((b, c, hidden_size), dtype),
       has_sc=jnp.zeros((b,), bool),
       stop_state=rules.stopping.init(b, c),
-      fixed=rules.noise.initial_fixed(canvas),
+      fixed=(rules.noise.initial_fixed(canvas) if given is None
+             else rules.noise.initial_fixed(canvas) | given),
       done=done,
       passes=jnp.zeros((b,), jnp.int32),
       accepted=jnp.zeros((b, c), bool),
   )
+
+
+@flax.struct.dataclass
+class SampledStep:
+  """What the vocabulary end of a step gives the rest of it (all rows; done rows are restored after)."""
+
+  stats: acceptance_lib.TokenStats  # [B, C] each; `sample` complete where accepted
+  soft_embedding: Array  # [B, C, D]: the next pass's self-conditioning
+  accepted: Array  # [B, C] bool
+  canvas: Array  # [B, C] int32: after re-noising
+  fixed: Array  # [B, C] bool
+  argmax: Array  # [B, C] int32: what would be committed
+
+
+def plain_sample_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, hidden: Array, temp: Array,
+                      uniforms: Array, noise_keys: Array) -> SampledStep:
+  """The released step's vocabulary end, streamed: statistics, acceptance, the draw of the accepted
+  positions only, re-noising, and the argmax canvas (fixed positions keep their token)."""
+  head = denoiser.head(denoiser.table, hidden, temp, uniforms)
+  stats = head.stats
+  if denoiser.on_pass is not None:
+    denoiser.on_pass(stats, state.has_sc)
+  committed = stats.argmax  # [B, C]
+  accepted = rules.acceptance(stats, ~state.fixed)
+  sample = denoiser.head.draw(denoiser.table, hidden, head, accepted & ~state.done[:, None], uniforms, temp)
+  stats = stats.replace(sample=sample)
+  canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, stats.sample, accepted, state.fixed)
+  argmax = jnp.where(fixed, canvas, committed)
+  return SampledStep(stats=stats, soft_embedding=head.soft_embedding, accepted=accepted, canvas=canvas,
+                     fixed=fixed, argmax=argmax)
 
 
 def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array) -> DenoiseState:
@@ -130,10 +165,8 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   masked: still masked). A row stops when the stopping rule says so or nothing is left to change. The
   argmax canvas, the canvas and the self-conditioning of rows that were already done are kept as they were.
 
-  A constraint has two places here: the head's `restrict` (per vocabulary chunk; every statistic, the draw
-  and the self-conditioning then follow the restricted distribution; `HeadOutput.log_normalizer` turns
-  scaled logits into log-probabilities) and `committed` below, the argmax canvas it would replace with
-  its own choice (e.g. the automaton's best canvas).
+  With `denoiser.constraint`, its `sample_step` replaces `plain_sample_step` (the statistics, acceptance,
+  draw, re-noising and the argmax canvas; `sampling.constrained`); the rest of the step is the same.
   """
   b, c = state.canvas.shape
   remaining = rules.max_denoising_steps - state.step
@@ -142,23 +175,16 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   sample_keys, noise_keys = jnp.moveaxis(jax.vmap(jax.random.split)(step_keys), 1, 0)
   uniforms = vocab.uniforms(sample_keys, c)  # [B, C]
   hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
-  head = denoiser.head(denoiser.table, hidden, temp, uniforms)
-  stats = head.stats
-  if denoiser.on_pass is not None:
-    denoiser.on_pass(stats, state.has_sc)
-  committed = stats.argmax  # [B, C]: the canvas a constraint would choose instead
-  accepted = rules.acceptance(stats, ~state.fixed)
-  done = state.done
-  sample = denoiser.head.draw(denoiser.table, hidden, head, accepted & ~done[:, None], uniforms, temp)
-  stats = stats.replace(sample=sample)
-  canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, stats.sample, accepted, state.fixed)
-  argmax = jnp.where(fixed, canvas, committed)
+  sample_step = plain_sample_step if denoiser.constraint is None else denoiser.constraint.sample_step
+  out = sample_step(rules, denoiser, state, hidden, temp, uniforms, noise_keys)
+  stats, accepted, canvas, fixed, argmax = out.stats, out.accepted, out.canvas, out.fixed, out.argmax
 
+  done = state.done
   keep = done[:, None]
   argmax = jnp.where(keep, state.argmax, argmax)
   canvas = jnp.where(keep, state.canvas, canvas)
   fixed = jnp.where(keep, state.fixed, fixed)
-  sc_embedding = jnp.where(keep[..., None], state.sc_embedding, head.soft_embedding)
+  sc_embedding = jnp.where(keep[..., None], state.sc_embedding, out.soft_embedding)
   stop, stop_state = rules.stopping(state.stop_state, stats.replace(argmax=argmax))
   stop |= jnp.all(fixed, axis=-1)  # nothing left to change
   return DenoiseState(
