@@ -19,6 +19,7 @@ from diffusiongemma import diffusion
 from diffusiongemma.config_base import load_config_file
 from diffusiongemma.diffusion import acceptance, stopping
 from diffusiongemma.sampling import autoregressive, sampler as sampler_lib, stats, steps
+import notebooks
 
 ROOT = pathlib.Path(__file__).parent.parent
 TINY = dg.ModelConfig(
@@ -492,20 +493,11 @@ def test_a_cache_continues_a_prompt(params, model):
 
 
 @pytest.mark.slow
-def test_quickstart_notebook_runs(tmp_path, monkeypatch):
+def test_quickstart_notebook_runs(tmp_path):
   """colabs/quickstart.ipynb end to end: train the tiny model briefly, sample, show steps, plot."""
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
-  pytest.importorskip("ipykernel")
-  monkeypatch.setenv("DG_ROOT", str(ROOT))
-  monkeypatch.setenv("DG_QUICKSTART_WORKDIR", str(tmp_path))
-  monkeypatch.setenv("DG_QUICKSTART_STEPS", "20")
-  monkeypatch.setenv("DG_QUICKSTART_NOISE", "masked")  # the notebook samples with the noise it trained
-  notebook = nbformat.read(ROOT / "colabs" / "quickstart.ipynb", as_version=4)
-  nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
-                          resources={"metadata": {"path": str(ROOT / "colabs")}}).execute()
-  text = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                 for o in cell.get("outputs", []))
+  text = notebooks.run_notebook("quickstart.ipynb", {
+      "DG_QUICKSTART_WORKDIR": str(tmp_path), "DG_QUICKSTART_STEPS": "20",
+      "DG_QUICKSTART_NOISE": "masked"})  # the notebook samples with the noise it trained
   assert "trained to step 20" in text and "canvas 0 step  1 accepted" in text and "autoregressive:" in text
   assert "noise masked" in text
 

@@ -22,6 +22,7 @@ from diffusiongemma.diffusion import loss as loss_lib
 from diffusiongemma.evaluation import sudoku as sudoku_eval
 from diffusiongemma.training import lora
 from diffusiongemma.training import optim
+import notebooks
 
 ROOT = pathlib.Path(__file__).parent.parent
 # A 30-clue puzzle with a unique solution and that solution (generate(30, 0), checked here).
@@ -530,18 +531,8 @@ def test_train_and_solve_script_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_sudoku_notebook_runs(tmp_path, monkeypatch):
+def test_sudoku_notebook_runs(tmp_path):
   """colabs/sudoku.ipynb end to end: brief training at an easy level, solving, the pass-by-pass grids."""
-  nbformat = pytest.importorskip("nbformat")
-  nbclient = pytest.importorskip("nbclient")
-  pytest.importorskip("ipykernel")
-  monkeypatch.setenv("DG_ROOT", str(ROOT))
-  monkeypatch.setenv("DG_SUDOKU_WORKDIR", str(tmp_path))
-  monkeypatch.setenv("DG_SUDOKU_STEPS", "20")
-  notebook = nbformat.read(ROOT / "colabs" / "sudoku.ipynb", as_version=4)
-  nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
-                          resources={"metadata": {"path": str(ROOT / "colabs")}}).execute()
-  text = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                 for o in cell.get("outputs", []))
+  text = notebooks.run_notebook("sudoku.ipynb", {"DG_SUDOKU_WORKDIR": str(tmp_path), "DG_SUDOKU_STEPS": "20"})
   assert "trained to step 20" in text and "denoiser passes per puzzle" in text and "noise masked" in text
   assert "accepted per pass:" in text and "passes per puzzle:" in text
