@@ -211,7 +211,10 @@ def test_benchmark_samples_with_the_trained_noise_and_reports_the_samplers_stati
   step = results["step"]
   for key in ("denoiser_fraction", "head_fraction", "sampling_fraction", "rest_fraction", "step_seconds"):
     assert math.isfinite(step[key]) and step[key] >= 0, key
-  assert step["denoiser_fraction"] + step["head_fraction"] + step["sampling_fraction"] == pytest.approx(1.0)
+  # Standalone timings of the parts can overlap a step's (their sum tops 1 on a busy machine): sampling is
+  # the rest of the step, never below 0.
+  rest = max(0.0, 1.0 - step["denoiser_fraction"] - step["head_fraction"])
+  assert step["sampling_fraction"] == pytest.approx(rest)
   assert [r["config"] for r in results["training"]] == ["tiny"]
   for plot in results["plots"]:
     assert pathlib.Path(plot).read_bytes()[:4] == b"\x89PNG"
