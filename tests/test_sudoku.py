@@ -536,18 +536,3 @@ def test_sudoku_notebook_runs(tmp_path):
   text = notebooks.run_notebook("sudoku.ipynb", {"DG_SUDOKU_WORKDIR": str(tmp_path), "DG_SUDOKU_STEPS": "20"})
   assert "trained to step 20" in text and "denoiser passes per puzzle" in text and "noise masked" in text
   assert "accepted per pass:" in text and "passes per puzzle:" in text
-  # sudoku_report.py on the same run: every decoder, the curve over both checkpoints, the sweep's grid.
-  report = tmp_path / "report.json"
-  env_run("scripts/sudoku_report.py", f"--workdir={workdir}", f"--ar_workdir={workdir}", f"--output={report}",
-          "--levels=36", "--easy_levels=45", "--per_level=2", "--entropy_bounds=0.1,0.3", "--max_steps=2,3",
-          "--batch_size=4")
-  result = json.loads(report.read_text())
-  assert set(result["decoders"]) == {"diffusion", "ar_same_weights", "ar_model"}
-  assert result["decoders"]["diffusion"]["sampler"]["noise"] == "masked"
-  assert result["decoders"]["diffusion"]["passes_per_puzzle"] <= 48
-  assert set(result["decoders"]["ar_model"]["by_clues"]) == {"36", "45"}
-  assert [p["step"] for p in result["curve"]["diffusion"]] == dg.training.checkpoint.saved_steps(workdir)
-  assert [(r["entropy_bound"], r["max_denoising_steps"]) for r in result["sweep"]] == [
-      (0.1, 2), (0.1, 3), (0.3, 2), (0.3, 3)]
-  assert all(r["passes_per_puzzle"] <= r["max_denoising_steps"] for r in result["sweep"])
-  assert report.with_suffix(".png").stat().st_size > 0
