@@ -172,7 +172,7 @@ class CanvasConstraint:
     if denoiser.on_pass is not None:
       denoiser.on_pass(stats, state.has_sc)
     accepted = rules.acceptance(stats, ~state.fixed)
-    sample = vocab.token_stats(scores, uniforms).sample  # [B, C]: the same inverse-CDF draw, every position
+    sample = vocab.complete_draw(scores, out, uniforms)  # [B, C]: the same inverse-CDF draw, every position
     canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, sample, accepted, state.fixed)
     best = self.viterbi(scores, fixed, canvas)
 

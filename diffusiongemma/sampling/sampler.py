@@ -16,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffusiongemma import build
+from diffusiongemma.diffusion import constraints as cons
 from diffusiongemma.diffusion import noise as noise_lib
 from diffusiongemma.model.attention import KVCache
+from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import prompts as prompts_lib
 from diffusiongemma.sampling import steps
 from diffusiongemma.sampling import vocab
@@ -212,7 +214,6 @@ class Sampler(prompts_lib.StaticArgument):
     canvas, num_given, held = self._initial_canvas(initial_canvas, b, num_canvases, given)
     tables = None
     if constraint is not None:
-      from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
       if not isinstance(constraint, constrained.Constraint):
         raise ValueError("constraint must be a sampling.constrained.Constraint, got "
                          f"{type(constraint).__name__}.")
@@ -279,7 +280,6 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype, held)
     denoiser = sampler.denoiser(variables, loop.cache)
     if constraint is not None:
-      from diffusiongemma.sampling import constrained  # pylint: disable=import-outside-toplevel
       denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint.for_canvas(
           tables, loop.automaton_state, (num_canvases - 1 - k) * c))
     state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace)
@@ -294,7 +294,6 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     commit = lambda cc: sampler.encode(variables, committed, cc)
     automaton_state = loop.automaton_state
     if constraint is not None:
-      from diffusiongemma.diffusion import constraints as cons  # pylint: disable=import-outside-toplevel
       automaton_state = cons.advance(tables, automaton_state, committed)
     return _CanvasLoop(
         index=k + 1,

@@ -135,15 +135,22 @@ def _finish(running: _Running, uniforms: Array, scale: Array | None) -> HeadOutp
   return HeadOutput(stats=stats, soft_embedding=soft, log_normalizer=running.max + jnp.log(running.mass))
 
 
-def token_stats(scaled_logits: Array, uniforms: Array) -> acceptance_lib.TokenStats:
-  """Statistics and the draw (one uniform per position, [B, C]) of softmax(scaled_logits) [B, C, V] given
-  whole: the unchunked path."""
+def complete_draw(scaled_logits: Array, out: HeadOutput, uniforms: Array) -> Array:
+  """The draw [B, C] at every position, given the whole scaled logits [B, C, V] that `out` (the head's
+  output on them, with the same uniforms) came from: `out.stats.sample` where it is set, else the rest of
+  the inverse CDF."""
   scaled = scaled_logits.astype(jnp.float32)
-  out = _finish(_chunk_running(scaled, 0, None), uniforms, None)
   stats = out.stats
   rest = _draw_rest(lambda start, step: start(0, None, scaled), out.log_normalizer, stats.argmax,
                     stats.confidence, uniforms)
-  return stats.replace(sample=jnp.where(stats.sample >= 0, stats.sample, rest))
+  return jnp.where(stats.sample >= 0, stats.sample, rest)
+
+
+def token_stats(scaled_logits: Array, uniforms: Array) -> acceptance_lib.TokenStats:
+  """Statistics and the draw (one uniform per position, [B, C]) of softmax(scaled_logits) [B, C, V] given
+  whole: the unchunked path."""
+  out = _finish(_chunk_running(scaled_logits.astype(jnp.float32), 0, None), uniforms, None)
+  return out.stats.replace(sample=complete_draw(scaled_logits, out, uniforms))
 
 
 def uniforms(keys: Array, canvas_length: int) -> Array:
