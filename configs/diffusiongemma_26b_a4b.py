@@ -1,6 +1,6 @@
 """The released DiffusionGemma 26B-A4B text model (Gemma 4 26B-A4B dimensions, canvas 256)."""
 
-from diffusiongemma.config_base import base_config
+from diffusiongemma.build.config import base_config
 
 
 def get_config(arg=None):

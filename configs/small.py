@@ -1,6 +1,6 @@
 """A small DiffusionGemma (~24M parameters, 16 experts top-2) that learns on 2 CPU cores in tens of minutes."""
 
-from diffusiongemma.config_base import base_config
+from diffusiongemma.build.config import base_config
 
 
 def get_config(arg=None):

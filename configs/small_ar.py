@@ -10,7 +10,7 @@ perplexity on diffusion samples is an independent judge of their quality (script
 
 import pathlib
 
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 
 SIZES = ("small", "tiny")
 

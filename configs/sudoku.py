@@ -36,7 +36,7 @@ of the solution alone (`diffusion_loss_weight=0`, no AR loss on the prompt). `ge
 
 import math
 
-from diffusiongemma.config_base import base_config
+from diffusiongemma.build.config import base_config
 from diffusiongemma.data import sudoku
 
 ARGS = ("diffusion", "ar", "tiny", "tiny_ar")

@@ -1,6 +1,6 @@
 """A tiny DiffusionGemma (~0.7M parameters) that trains and samples in seconds on a CPU."""
 
-from diffusiongemma.config_base import base_config
+from diffusiongemma.build.config import base_config
 
 
 def get_config(arg=None):

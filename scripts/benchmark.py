@@ -67,7 +67,7 @@ from ml_collections import config_flags
 import diffusiongemma as dg
 from diffusiongemma import benchmarks
 from diffusiongemma import build
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)

@@ -99,7 +99,7 @@ def _generations(constraint_of, v: int, repeats: int = 1) -> dict:
   import numpy as np  # pylint: disable=import-outside-toplevel
   import diffusiongemma as dg  # pylint: disable=import-outside-toplevel
   from diffusiongemma import benchmarks, build  # pylint: disable=import-outside-toplevel
-  from diffusiongemma.config_base import load_config_file  # pylint: disable=import-outside-toplevel
+  from diffusiongemma.build.config import load_config_file  # pylint: disable=import-outside-toplevel
   from diffusiongemma.sampling import stats  # pylint: disable=import-outside-toplevel
   config = load_config_file(str(pathlib.Path(__file__).parent.parent / "configs" / "small.py"))
   cfg = build.model_config(config).replace(vocab_size=v, canvas_length=_CANVAS.value)

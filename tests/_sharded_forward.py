@@ -21,7 +21,7 @@ import numpy as np
 import diffusiongemma as dg
 from diffusiongemma import parallel
 from diffusiongemma import training
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.training import checkpoint as ckpt_lib
 from diffusiongemma.training import inputs
 from diffusiongemma.training import state as state_lib

@@ -17,7 +17,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.training import inputs
 from diffusiongemma.training import loop
 

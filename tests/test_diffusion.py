@@ -11,7 +11,7 @@ import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import diffusion
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 
 ROOT = pathlib.Path(__file__).parent.parent
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import diffusiongemma as dg
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.model import moe
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"

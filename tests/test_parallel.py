@@ -9,7 +9,7 @@ import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import parallel
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.parallel import plan
 
 ROOT = pathlib.Path(__file__).parent.parent

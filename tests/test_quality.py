@@ -15,7 +15,7 @@ import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import diffusion
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.evaluation import generative as quality
 from test_training import _script_args, corpus, VOCAB  # noqa: F401  (corpus is a fixture)
 

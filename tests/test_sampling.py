@@ -16,7 +16,7 @@ import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import diffusion
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.diffusion import acceptance, stopping
 from diffusiongemma.sampling import autoregressive, sampler as sampler_lib, stats, steps
 import notebooks

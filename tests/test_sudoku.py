@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import diffusiongemma as dg
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.data import sft
 from diffusiongemma.data import sudoku
 from diffusiongemma.diffusion import loss as loss_lib

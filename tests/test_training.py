@@ -18,7 +18,7 @@ import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import training
-from diffusiongemma.config_base import load_config_file
+from diffusiongemma.build.config import load_config_file
 from diffusiongemma.training import inputs
 from diffusiongemma.training import loop
 

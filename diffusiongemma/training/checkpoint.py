@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from diffusiongemma import config_base
+from diffusiongemma.build import config as config_base
 
 CHECKPOINT_DIRNAME = "checkpoints"
 CONFIG_FILENAME = "config.json"
