@@ -1,20 +1,36 @@
-"""diffusiongemma: DiffusionGemma block diffusion in JAX/Flax."""
+"""diffusiongemma: DiffusionGemma block diffusion in JAX/Flax.
 
-from diffusiongemma import build
-from diffusiongemma import chat
-from diffusiongemma import convert
-from diffusiongemma import data
-from diffusiongemma import diffusion
-from diffusiongemma import evaluation
-from diffusiongemma import model
-from diffusiongemma import parallel
-from diffusiongemma import sampling
-from diffusiongemma import training
-from diffusiongemma.chat import ChatSampler
-from diffusiongemma.model import DiffusionGemma, KVCache, ModelConfig
-from diffusiongemma.sampling import ARSampler, Sampler, SamplerConfig
+The public names resolve on first use, so `import diffusiongemma as dg` loads nothing heavy: `dg.Sampler`
+imports the sampler (and JAX), `dg.convert` the converter, `dg.build` the composition root.
+"""
 
-__all__ = [
-    "ARSampler", "ChatSampler", "DiffusionGemma", "KVCache", "ModelConfig", "Sampler", "SamplerConfig", "build", "chat",
-    "convert", "data", "diffusion", "evaluation", "model", "parallel", "sampling", "training",
-]
+import importlib
+
+_SUBPACKAGES = ("build", "chat", "convert", "data", "diffusion", "evaluation", "model", "parallel", "sampling",
+                "serving", "training")
+_NAMES = {
+    "ARSampler": "diffusiongemma.sampling.autoregressive",
+    "ChatSampler": "diffusiongemma.chat.sampler",
+    "DiffusionGemma": "diffusiongemma.model.transformer",
+    "KVCache": "diffusiongemma.model.attention",
+    "ModelConfig": "diffusiongemma.model.config",
+    "Sampler": "diffusiongemma.sampling.sampler",
+    "SamplerConfig": "diffusiongemma.sampling.config",
+}
+
+__all__ = sorted(_NAMES) + list(_SUBPACKAGES)
+
+
+def __getattr__(name):
+  if name in _NAMES:
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+  elif name in _SUBPACKAGES:
+    value = importlib.import_module(f"diffusiongemma.{name}")
+  else:
+    raise AttributeError(f"module 'diffusiongemma' has no attribute {name!r}")
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

@@ -12,7 +12,7 @@ r"""Chat with a DiffusionGemma model in the Gemma 4 chat format: one turn, or a 
 device), its tokenizer, its generation defaults and chat template; no --config or --workdir is needed.
 --workdir (with --config, or the config the run saved) chats with a training checkpoint; its own
 sentencepiece tokenizer has no Gemma 4 control tokens, so it needs --tokenizer=<checkpoint folder>
-(see `dg.ChatSampler.from_workdir`).
+(see `dg.build.chat_sampler`).
 
 Without --message, turns are read from stdin, one per line; `/reset` starts a new conversation, `/exit`
 (or end of input) quits. The conversation keeps its KV cache: each turn encodes only what it adds.
@@ -57,7 +57,7 @@ def _chat() -> dg.ChatSampler:
     return dg.ChatSampler.from_pretrained(_HF.value, _PRESET.value, dtype=_DTYPE.value, max_new_tokens=max_new,
                                           image_budget=_IMAGE_BUDGET.value, seed=_SEED.value)
   if _WORKDIR.value:
-    return dg.ChatSampler.from_workdir(_WORKDIR.value, _CONFIG.value, tokenizer=_TOKENIZER.value,
+    return dg.build.chat_sampler(_WORKDIR.value, _CONFIG.value, tokenizer=_TOKENIZER.value,
                                        preset=_PRESET.value, max_new_tokens=max_new, seed=_SEED.value)
   raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --workdir=DIR.")
 

@@ -20,8 +20,8 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from diffusiongemma import build
 from diffusiongemma import training
-from diffusiongemma.evaluation import generative
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
                                           lock_config=True)
@@ -42,12 +42,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   training.quiet_orbax_logs()
-  results = training.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value,
-                              num_batches=_NUM_BATCHES.value)
+  results = build.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value, num_batches=_NUM_BATCHES.value)
   if _GENERATIVE.value:
-    evaluation = generative.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
-                                        num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,
-                                        seed=_SEED.value)
+    evaluation = build.generative_eval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
+                                       num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,
+                                       seed=_SEED.value)
     results["generative"] = evaluation.run(_MAX_NEW.value or None)
     path = pathlib.Path(_WORKDIR.value) / "generative.json"
     path.write_text(json.dumps(results["generative"], indent=2), encoding="utf-8")

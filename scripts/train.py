@@ -14,6 +14,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from diffusiongemma import build
 from diffusiongemma import parallel
 from diffusiongemma import training
 
@@ -32,7 +33,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   training.quiet_orbax_logs()
-  training.train(_CONFIG.value, _WORKDIR.value)
+  build.train(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

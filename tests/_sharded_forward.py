@@ -23,7 +23,7 @@ from diffusiongemma import parallel
 from diffusiongemma import training
 from diffusiongemma.build.config import load_config_file
 from diffusiongemma.training import checkpoint as ckpt_lib
-from diffusiongemma.training import inputs
+from diffusiongemma.training import loop
 from diffusiongemma.training import state as state_lib
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -118,7 +118,7 @@ def _one_train_step(config, devices):
            "prompt_length": np.full((config.train.batch_size,), config.data.prompt_length, np.int32)}
   step = training.make_train_step(model, optimizer, loss_cfg, num_canvases=config.data.num_canvases,
                                   state_sharding=shardings, batch_sharding=parallel.batch_sharding(mesh, ndim=1))
-  state, metrics = step(state, inputs.to_global(batch, parallel.batch_sharding(mesh, ndim=1)))
+  state, metrics = step(state, loop.to_global(batch, parallel.batch_sharding(mesh, ndim=1)))
   experts = state.params["params"]["layer_0"]["experts"]["gating_einsum"]
   moment = state.opt_state[1][0].mu["params"]["layer_0"]["experts"]["gating_einsum"]
   assert experts.sharding == moment.sharding, (experts.sharding, moment.sharding)
@@ -132,7 +132,7 @@ def _check_sharded_restore(state, shardings):
   with tempfile.TemporaryDirectory() as workdir:
     checkpointer = training.Checkpointer(workdir, async_save=False)
     checkpointer.save(1, state, {}, {})
-    abstract = ckpt_lib.abstract_with_sharding(jax.eval_shape(lambda: state).to_dict(), shardings.to_dict())
+    abstract = parallel.abstract_with_sharding(jax.eval_shape(lambda: state).to_dict(), shardings.to_dict())
     restored, _, _ = checkpointer.restore(1, abstract)
     checkpointer.close()
   for got, want, sharding in zip(jax.tree.leaves(restored), jax.tree.leaves(state.to_dict()),

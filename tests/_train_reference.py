@@ -17,8 +17,8 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np
 
+from diffusiongemma import build
 from diffusiongemma.build.config import load_config_file
-from diffusiongemma.training import inputs
 from diffusiongemma.training import loop
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -30,16 +30,16 @@ def main(workdir, out, overrides):
   for key, value in json.loads(overrides).items():
     section, field = key.split(".")
     config[section][field] = type(config[section][field])(value)
-  setup = loop._Setup(config, workdir)  # pylint: disable=protected-access
-  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
-  shards = [iter(inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "train", shard_index=i,
-                                     shard_count=2)) for i in range(2)]
+  setup = loop._Setup(build.train_task(config, workdir), workdir)  # pylint: disable=protected-access
+  tokenizer = build.tokenizer(config, workdir)
+  shards = [iter(build.dataset(config, workdir, "train", shard_index=i, shard_count=2, tok=tokenizer))
+            for i in range(2)]
   state = setup.init_state()
   losses = []
   for _ in range(config.train.num_steps):
     parts = [next(shard) for shard in shards]
     batch = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-    state, metrics = setup.train_step(state, inputs.to_global(batch, setup.batch_sharding))
+    state, metrics = setup.train_step(state, loop.to_global(batch, setup.batch_sharding))
     losses.append(float(metrics["loss"]))
   leaves = {f"param_{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(state.params))}
   np.savez(out, losses=np.array(losses), **leaves)

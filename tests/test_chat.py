@@ -198,7 +198,7 @@ def test_bad_checkpoint_folders_and_settings_are_clear_errors(checkpoint, tmp_pa
 def test_a_training_workdir_needs_a_checkpoint_tokenizer(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps({"model": {}, "data": {}, "sampler": {}}))
   with pytest.raises(ValueError, match="Cannot chat with the workdir .*sentencepiece.*never seen a conversation"):
-    dg.ChatSampler.from_workdir(tmp_path)
+    dg.build.chat_sampler(tmp_path)
 
 
 def test_presets_and_generation_defaults_reach_the_sampler(checkpoint):

@@ -128,7 +128,7 @@ def test_the_step_commits_the_brute_force_best_canvas(noise):
   table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
   hidden = jnp.asarray(rng.normal(size=(b, c, d)) * 2, jnp.float32)
   noise_process = diffusion.UniformNoise(v) if noise == "uniform" else diffusion.MaskedNoise(v, 6)
-  rules = steps.Rules(max_denoising_steps=3, t_max=1.0, t_min=0.5, noise=noise_process,
+  rules = steps.Rules(max_denoising_steps=3, schedule=diffusion.Linear(1.0, 0.5), noise=noise_process,
                       acceptance=acceptance.EntropyBound(0.5), stopping=stopping.NoEarlyStop())
   head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32",
                              never_token=noise_process.never_token, chunk_size=3)
@@ -346,7 +346,7 @@ def test_jointly_inconsistent_draws_are_repaired():
   table = jnp.asarray(np.tile(np.arange(d, dtype=np.float32), (v, 1)))  # equal logits for every token
   hidden = jnp.ones((b, c, d), jnp.float32)
   noise = diffusion.MaskedNoise(v, 4)
-  rules = steps.Rules(max_denoising_steps=1, t_max=1.0, t_min=0.5, noise=noise,
+  rules = steps.Rules(max_denoising_steps=1, schedule=diffusion.Linear(1.0, 0.5), noise=noise,
                       acceptance=acceptance.TopCount(c), stopping=stopping.NoEarlyStop())
   head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32", never_token=4)
   start = jnp.full((b,), automaton.start, jnp.int32)

@@ -10,7 +10,7 @@ import pytest
 import diffusiongemma as dg
 from diffusiongemma import parallel
 from diffusiongemma.build.config import load_config_file
-from diffusiongemma.parallel import plan
+from diffusiongemma.build import plan
 
 ROOT = pathlib.Path(__file__).parent.parent
 

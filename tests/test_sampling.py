@@ -6,7 +6,6 @@ file stays fast on two cores; the other rules and noises run end to end under th
 
 import dataclasses
 import pathlib
-import types
 
 import flax.linen as nn
 import jax
@@ -95,10 +94,9 @@ def test_config_defaults_are_the_released_ones():
   cfg = dg.SamplerConfig()
   assert (cfg.max_denoising_steps, cfg.t_max, cfg.t_min, cfg.entropy_bound, cfg.stability_threshold,
           cfg.confidence_threshold) == (48, 0.8, 0.4, 0.1, 1, 0.005)
-  assert (cfg.acceptance, cfg.stopping) == ("entropy", "stable")
   assert hash(cfg) == hash(dg.SamplerConfig()) and cfg == dg.SamplerConfig()
   assert hash(dg.SamplerConfig(stop_tokens=[1, 106])) == hash(dg.SamplerConfig(stop_tokens=(1, 106)))
-  from_file = dg.SamplerConfig.from_dict(load_config_file(ROOT / "configs" / "tiny.py").sampler)
+  from_file = dg.build.sampler_config(load_config_file(ROOT / "configs" / "tiny.py"))
   assert from_file.stop_tokens == (1,) and from_file.max_denoising_steps == 48
 
 
@@ -111,10 +109,8 @@ def test_config_defaults_are_the_released_ones():
     (dict(max_denoising_steps=0), "max_denoising_steps=0"),
     (dict(stability_threshold=-1), "stability_threshold=-1"),
     (dict(confidence_threshold=0), "confidence_threshold=0"),
-    (dict(acceptance="greedy"), "one of ('entropy', 'confidence', 'count')"),
-    (dict(stopping="never"), "one of ('stable', 'fixed')"),
-    (dict(tokens_per_step=0), "tokens_per_step=0"),
-    (dict(confidence_accept=1.5), "confidence_accept=1.5"),
+    (dict(t_max=float("nan")), "t_max=nan"),
+    (dict(entropy_bound=float("inf")), "entropy_bound=inf"),
     (dict(stop_tokens=(-1,)), "stop_tokens"),
 ])
 def test_bad_config_is_rejected_clearly(changes, message):
@@ -153,8 +149,6 @@ def test_bad_input_is_rejected_clearly(model, params, sampler, ar_sampler):
     dg.Sampler(model, CONFIG, noise=diffusion.MaskedNoise(60))
   with pytest.raises(ValueError, match="mask_token_id=61 is outside"):
     diffusion.MaskedNoise(61, 61)
-  with pytest.raises(ValueError, match="Unknown SamplerConfig.acceptance 'greedy'"):
-    dg.build.acceptance_rule(types.SimpleNamespace(acceptance="greedy"))  # the table's own check
   with pytest.raises(ValueError, match="cache must be a KVCache of 3 rows"):
     sampler.generate(params, prompt, key, NEW, cache=dg.KVCache.empty(TINY, 2, 16))
   with pytest.raises(ValueError, match="temperature"):
@@ -173,16 +167,19 @@ def _rules(**changes):
   return dg.Sampler(dg.DiffusionGemma(TINY), CONFIG.replace(**changes)).rules
 
 
-def test_build_tables_map_config_strings_to_rule_objects():
+def test_default_components_are_the_released_rules_made_from_the_config():
   rules = _rules()
   assert rules.acceptance == acceptance.EntropyBound(0.1)
   assert rules.stopping == stopping.AllOf((stopping.ArgmaxStable(1), stopping.MeanEntropyBelow(0.005)))
   assert rules.noise == diffusion.UniformNoise(TINY.vocab_size)
-  assert _rules(acceptance="confidence", confidence_accept=0.7).acceptance == acceptance.Confidence(0.7)
-  assert _rules(acceptance="count", tokens_per_step=3).acceptance == acceptance.TopCount(3)
-  assert _rules(stopping="fixed").stopping == stopping.NoEarlyStop()
-  assert set(dg.build.ACCEPTANCE_RULES) == set(dg.sampling.config.ACCEPTANCE_NAMES)
-  assert set(dg.build.STOPPING_RULES) == set(dg.sampling.config.STOPPING_NAMES)
+  assert rules.schedule == diffusion.Linear(0.8, 0.4)
+  sampler = dg.Sampler(dg.DiffusionGemma(TINY), CONFIG)
+  margin = sampler.replace(acceptance=acceptance.Margin(0.5))
+  assert margin.acceptance == acceptance.Margin(0.5) and margin.head.margin and not sampler.head.margin
+  # Sampler.replace makes the components that came from the config again; a given one stays.
+  looser = margin.replace(config=CONFIG.replace(entropy_bound=0.3, t_max=1.0))
+  assert looser.acceptance == acceptance.Margin(0.5) and looser.schedule == diffusion.Linear(1.0, 0.4)
+  assert sampler.replace(config=CONFIG.replace(entropy_bound=0.3)).acceptance == acceptance.EntropyBound(0.3)
 
 
 def test_temperature_schedule_is_linear_in_the_remaining_steps():
@@ -413,22 +410,22 @@ def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler)
 
 # ------------------------------------------------------------------------------------------ slow
 @pytest.mark.slow
-@pytest.mark.parametrize("changes,masked", [
-    (dict(acceptance="confidence", confidence_accept=0.5), False),
-    (dict(acceptance="count", tokens_per_step=3, stopping="fixed"), False),
+@pytest.mark.parametrize("components,masked", [
+    (dict(acceptance=acceptance.Confidence(0.5)), False),
+    (dict(acceptance=acceptance.TopCount(3), stopping=stopping.NoEarlyStop()), False),
+    (dict(acceptance=acceptance.Margin(0.5), schedule=diffusion.Cosine(1.0, 0.5)), False),
     ({}, True),
 ])
-def test_other_rules_end_to_end(model, params, changes, masked):
-  cfg = CONFIG.replace(**changes)
-  s = dg.Sampler(model, cfg, noise=diffusion.MaskedNoise(TINY.vocab_size) if masked else None)
+def test_other_rules_end_to_end(model, params, components, masked):
+  s = dg.Sampler(model, CONFIG, noise=diffusion.MaskedNoise(TINY.vocab_size) if masked else None, **components)
   out = s.generate(params, _prompts(10), _keys(1, 2, 3), max_new_tokens=8, return_trace=True)
   accepted = np.asarray(out.trace.accepted)[0].sum(-1)  # [N, B]
   passes = np.asarray(out.canvas_passes)[:, 0]
   for b in range(B):
     assert (accepted[:passes[b], b] >= 1).all()
-  if cfg.stopping == "fixed":
-    assert (passes == cfg.max_denoising_steps).all()
-  if cfg.acceptance == "count":
+  if s.stopping == stopping.NoEarlyStop():
+    assert (passes == CONFIG.max_denoising_steps).all()
+  if s.acceptance == acceptance.TopCount(3):
     assert (accepted[:, 0] == 3).all()
   if masked:
     mask = TINY.vocab_size - 1
@@ -463,7 +460,9 @@ def test_statistics_and_step_display(params, sampler):
 
 @dataclasses.dataclass(frozen=True)
 class AcceptAll:
-  """A rule that is no row of `build.ACCEPTANCE_RULES`: every eligible position."""
+  """A rule that is in no registry: every eligible position."""
+
+  needs_margin = False
 
   def __call__(self, token_stats, eligible):
     return eligible

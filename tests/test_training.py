@@ -19,7 +19,7 @@ import pytest
 import diffusiongemma as dg
 from diffusiongemma import training
 from diffusiongemma.build.config import load_config_file
-from diffusiongemma.training import inputs
+from diffusiongemma.build import tasks as build_tasks
 from diffusiongemma.training import loop
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -84,7 +84,7 @@ def _assert_same_params(a, b):
 
 
 def test_config_mismatches_read_a_field_an_old_checkpoint_lacks_as_its_default():
-  current = training.checkpoint.config_to_json(load_config_file("configs/tiny.py"))
+  current = dg.build.config.to_json(load_config_file("configs/tiny.py"))
   old = json.loads(json.dumps(current))
   del old["diffusion"]["diffusion_loss_weight"]  # written before the field existed
   assert training.config_mismatches(old, current) == []
@@ -121,12 +121,12 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
   """6 steps at once == 1 step (time budget spent) + resume to 6, in params and logged losses."""
   config = _config(corpus)
   caplog.set_level("INFO")
-  straight = training.train(config, tmp_path / "a")
+  straight = dg.build.train(config, tmp_path / "a")
   assert any("tok/s" in r.getMessage() and "ETA" in r.getMessage() and "step 6/6" in r.getMessage()
              for r in caplog.records)
-  first = training.train(_config(corpus, **{"train.time_budget_s": 1e-9}), tmp_path / "b")
+  first = dg.build.train(_config(corpus, **{"train.time_budget_s": 1e-9}), tmp_path / "b")
   assert int(first.step) == 1
-  resumed = training.train(config, tmp_path / "b")
+  resumed = dg.build.train(config, tmp_path / "b")
   assert int(resumed.step) == 6
   _assert_same_params(straight.params, resumed.params)
   _assert_same_params(straight.opt_state, resumed.opt_state)
@@ -137,7 +137,7 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
   saved = json.loads((tmp_path / "a" / "config.json").read_text())
   assert saved["model"]["num_layers"] == 2 and saved["diffusion"]["noise"] == "uniform"
   # Nothing to do when the run is complete: the same state comes back.
-  again = training.train(config, tmp_path / "a")
+  again = dg.build.train(config, tmp_path / "a")
   _assert_same_params(straight.params, again.params)
   # The public restore reads the parameters alone, placed as asked.
   params, step = training.load_params(tmp_path / "a")
@@ -154,21 +154,21 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
     training.load_params(tmp_path / "nothing")
   # Extending a finished run is allowed, and says that the learning-rate schedule moved.
   caplog.clear()
-  longer = training.train(_config(corpus, **{"train.num_steps": 7}), tmp_path / "a")
+  longer = dg.build.train(_config(corpus, **{"train.num_steps": 7}), tmp_path / "a")
   assert int(longer.step) == 7
   assert any("num_steps is 7, the checkpoint's run had 6" in r.getMessage() for r in caplog.records)
 
 
 def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
   config = _config(corpus)
-  setup = loop._Setup(config, tmp_path)
+  setup = loop._Setup(dg.build.train_task(config, tmp_path), tmp_path)
   state = setup.init_state()
   params = jax.tree.map(lambda x: x, state.params)
   params["params"]["embedder"]["input_embedding"] = params["params"]["embedder"]["input_embedding"].at[
       5].set(jnp.nan)
   state = jax.device_put(state.replace(params=params), setup.programs.state_shardings)
   before = jax.device_get(state)
-  batch = inputs.to_global({"tokens": np.full((4, 24), 5, np.int32),
+  batch = loop.to_global({"tokens": np.full((4, 24), 5, np.int32),
                             "prompt_length": np.full((4,), 8, np.int32)}, setup.batch_sharding)
   state, metrics = setup.train_step(state, batch)
   metrics = jax.device_get(metrics)
@@ -183,18 +183,18 @@ def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
 
 
 def test_checkpoint_from_another_config_fails_naming_fields_and_loses_nothing(corpus, tmp_path):
-  training.train(_config(corpus, **{"train.time_budget_s": 1e-9}), tmp_path)
+  dg.build.train(_config(corpus, **{"train.time_budget_s": 1e-9}), tmp_path)
   before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
   other = _config(corpus, **{"train.num_steps": 9, "model.hidden_size": 32,
                              "diffusion.noise": "masked", "train.learning_rate": 1e-3})
   with pytest.raises(training.ConfigMismatchError) as error:
-    training.train(other, tmp_path)
+    dg.build.train(other, tmp_path)
   message = str(error.value)
   for field in ("model.hidden_size: checkpoint 64, config 32", "diffusion.noise", "train.learning_rate"):
     assert field in message
   assert "train.num_steps" not in message
   with pytest.raises(training.ConfigMismatchError, match="model.hidden_size"):
-    training.evaluate(other, tmp_path)
+    dg.build.evaluate(other, tmp_path)
   assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
 
 
@@ -202,9 +202,9 @@ def test_checkpoint_from_another_config_fails_naming_fields_and_loses_nothing(co
 def test_evaluate_reports_losses_and_masked_perplexity_bound(corpus, tmp_path, noise):
   # Masked noise needs a mask token outside the tokenizer: one more model vocabulary entry.
   overrides = {"diffusion.noise": noise, "model.vocab_size": VOCAB + (noise == "masked")}
-  training.train(_config(corpus, **overrides, **{"train.time_budget_s": 1e-9}), tmp_path)
+  dg.build.train(_config(corpus, **overrides, **{"train.time_budget_s": 1e-9}), tmp_path)
   config = _config(corpus, **overrides)
-  results = training.evaluate(config, tmp_path)
+  results = dg.build.evaluate(config, tmp_path)
   assert results["step"] == 1 and results["num_batches"] == 2
   for key in ("diffusion_loss", "ar_loss", "ar_perplexity"):
     assert np.isfinite(results[key]) and results[key] > 0
@@ -216,14 +216,14 @@ def test_evaluate_reports_losses_and_masked_perplexity_bound(corpus, tmp_path, n
   # After one step every prediction is still near uniform over the vocabulary.
   assert 0.5 * VOCAB < results["ar_perplexity"] < 2 * VOCAB
   assert json.loads((tmp_path / "eval.json").read_text()) == results
-  assert training.evaluate(config, tmp_path) == results  # fixed evaluation noise
+  assert dg.build.evaluate(config, tmp_path) == results  # fixed evaluation noise
 
 
 def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch):
   def fails(match, workdir=None, **overrides):
     workdir = workdir or tmp_path / "work"
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-      training.train(_config(corpus, **overrides), workdir)
+      dg.build.train(_config(corpus, **overrides), workdir)
     assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
     assert not (workdir / "metrics.jsonl").exists()
 
@@ -246,15 +246,15 @@ def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch
   fails("compute_dtype", **{"train.compute_dtype": "int8"})
   fails("num_canvases must be >= 1", **{"data.num_canvases": 0})
   fails("more than model.vocab_size", **{"model.vocab_size": 300})
-  monkeypatch.setattr(inputs.jax, "device_count", lambda: 8)
+  monkeypatch.setattr(build_tasks.jax, "device_count", lambda: 8)
   fails(r"batch_size=4 is not divisible by the 8 batch shards of the mesh \(data\*fsdp\*expert", **{})
   monkeypatch.undo()
-  monkeypatch.setattr(inputs.jax, "process_count", lambda: 3)
+  monkeypatch.setattr(build_tasks.jax, "process_count", lambda: 3)
   fails("batch_size=4 is not divisible by the 3 processes", **{})
   fails(r"The 1 batch shards of the mesh .* not a multiple of the 3 processes", **{"train.batch_size": 6})
   monkeypatch.undo()
   with pytest.raises(FileNotFoundError, match="No checkpoints"):
-    training.evaluate(_config(corpus), tmp_path / "never_trained")
+    dg.build.evaluate(_config(corpus), tmp_path / "never_trained")
 
 
 def _script_flags(corpus, num_steps):
@@ -354,7 +354,7 @@ def test_validation_loss_drops_a_quarter_in_200_steps(corpus, tmp_path, noise):
   config.diffusion.noise = noise
   config.train.num_steps, config.train.eval_every, config.train.eval_batches = 200, 200, 4
   config.train.log_every, config.train.checkpoint_every = 50, 200
-  training.train(config, tmp_path)
+  dg.build.train(config, tmp_path)
   evals = dict(_losses(tmp_path, "eval/"))
   first, last = evals[0], evals[200]
   for key in ("eval/loss", "eval/diffusion_loss", "eval/ar_loss"):
@@ -405,17 +405,17 @@ def test_two_processes_train_together_like_one(corpus, tmp_path):
 def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
   """config.train.init_from starts a run from another run's weights; with lora_rank the base stays
   bit-identical, only adapters are trained and checkpointed, and build.load merges them back."""
-  base_state = training.train(_config(corpus, **{"train.num_steps": 3}), tmp_path / "base")
+  base_state = dg.build.train(_config(corpus, **{"train.num_steps": 3}), tmp_path / "base")
   base = jax.device_get(base_state.params)
   full = _config(corpus, **{"train.num_steps": 1, "train.init_from": str(tmp_path / "base")})
   setup = loop._Setup(full, tmp_path / "full")  # pylint: disable=protected-access
   _assert_same_params(base, jax.device_get(setup.init_state().params))  # starts from the base's weights
-  tuned = training.train(full, tmp_path / "full")
+  tuned = dg.build.train(full, tmp_path / "full")
   assert int(tuned.step) == 1
 
   lora = _config(corpus, **{"train.num_steps": 2, "train.init_from": str(tmp_path / "base"),
                             "train.lora_rank": 2, "train.learning_rate": 1e-2, "train.warmup_steps": 0})
-  state = training.train(lora, tmp_path / "lora")
+  state = dg.build.train(lora, tmp_path / "lora")
   adapters = jax.device_get(state.params)
   assert "lora_a" in adapters["layer_0"]["attn"]["q_einsum"] and "embedder" not in adapters
   assert sum(x.size for x in jax.tree.leaves(adapters)) < sum(x.size for x in jax.tree.leaves(base)) / 4
@@ -430,7 +430,7 @@ def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
   with pytest.raises(ValueError, match="lora_rank=2 trains adapters on frozen weights"):
     loop.lora_config(_config(corpus, **{"train.lora_rank": 2}))
   with pytest.raises(FileNotFoundError, match="init_from='/nowhere' is neither"):
-    training.train(_config(corpus, **{"train.init_from": "/nowhere"}), tmp_path / "bad")
+    dg.build.train(_config(corpus, **{"train.init_from": "/nowhere"}), tmp_path / "bad")
   wrong = _config(corpus, **{"train.init_from": str(tmp_path / "base"), "model.num_layers": 3})
   with pytest.raises(ValueError, match="do not fit config.model"):
-    training.train(wrong, tmp_path / "wrong")
+    dg.build.train(wrong, tmp_path / "wrong")

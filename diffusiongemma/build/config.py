@@ -1,12 +1,20 @@
 """The ml_collections layout shared by every config file and binary.
 
 `configs/*.py` call `base_config(**model_fields)` and override what they need; `diffusiongemma.build` is the
-one place that turns a config into objects (model config, noise, loss, sampler).
+one place that turns a config into objects (model config, noise, loss, sampler, training task). Every key
+a binary may override is declared here: the sampler section holds `SamplerConfig`'s fields, the names of
+its components and every registered component's parameters (`build/registry.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import ml_collections
+
+from diffusiongemma.build import registry
+from diffusiongemma.sampling.config import SamplerConfig
 
 
 def base_config(**model) -> ml_collections.ConfigDict:
@@ -58,15 +66,7 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.train.lora_rank = 0  # > 0: train LoRA adapters of this rank; the init_from weights stay frozen
   config.train.lora_alpha = 16.0  # the adapters' update is lora_alpha / lora_rank x A @ B
 
-  config.sampler = ml_collections.ConfigDict()
-  config.sampler.max_denoising_steps = 48
-  config.sampler.t_max = 0.8
-  config.sampler.t_min = 0.4
-  config.sampler.entropy_bound = 0.1
-  config.sampler.stability_threshold = 1
-  config.sampler.confidence_threshold = 0.005
-  config.sampler.stop_tokens = (1,)
-  config.sampler.max_new_tokens = 64
+  config.sampler = sampler_section()
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1  # -1: every device not used by the other axes
@@ -74,6 +74,29 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.mesh.expert = 1
   config.mesh.tensor = 1
   return config
+
+
+def sampler_section() -> ml_collections.ConfigDict:
+  """`config.sampler`: the released sampler (SamplerConfig's defaults, its components by name) and the
+  parameters of every registered component, so each can be chosen and tuned from flags."""
+  section = ml_collections.ConfigDict()
+  for field in dataclasses.fields(SamplerConfig):
+    if field.default is not None:  # None-valued fields cannot be overridden from flags
+      section[field.name] = field.default
+  section.stop_tokens = (1,)
+  section.max_new_tokens = 64
+  for kind, name in registry.RELEASED.items():
+    section[kind] = name
+  for key, default in registry.component_defaults().items():
+    section[key] = default
+  return section
+
+
+def to_json(config) -> dict:
+  """A ConfigDict (or mapping) as plain JSON values (tuples become lists)."""
+  if hasattr(config, "to_json"):
+    return json.loads(config.to_json())
+  return json.loads(json.dumps(dict(config)))
 
 
 def load_config_file(path: str, arg: str | None = None) -> ml_collections.ConfigDict:

@@ -13,25 +13,19 @@ would fall inside an image moves back to the image's start: an image's soft toke
 The reply is the sampler's output up to its first stop token (the checkpoint's eos ids plus eos and
 `<turn|>`), split into `thought` and `text` by `ReplyStream`, so no control token reaches the answer.
 
-`on_step`, when given, is called from the running program after every denoiser pass (a
-`jax.debug.callback` in the denoiser, so it is live, not a replay) with a `Draft`: the pass's argmax
+`on_step`, when given, is called from the running program after every denoiser pass (the sampler's
+`on_pass` stream, so it is live, not a replay) with a `Draft`: the pass's argmax
 canvas after the committed canvases, split the same way (the draft of the answer and of the thought).
 
 Models: `from_pretrained(folder)` reads a transformers checkpoint folder (weights cast to bf16 by default
 and placed over every local device, its tokenizer, its generation defaults and a preset);
-`from_workdir(workdir)` a training workdir. The project's own sentencepiece tokenizer has no Gemma 4
-control tokens, and a model trained on its corpus has never seen a conversation: such a workdir is
-refused with an error that says so, unless it is given a checkpoint tokenizer (a model fine-tuned from
-the released weights).
+`build.chat_sampler(workdir)` a training workdir.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import pathlib
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -39,13 +33,12 @@ from typing import Any
 import jax
 import numpy as np
 
-from diffusiongemma import build
 from diffusiongemma.chat import format as fmt
 from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.data import images as images_lib
-from diffusiongemma.model import DiffusionGemma, KVCache
+from diffusiongemma.model import KVCache
 from diffusiongemma.sampling import constrained
-from diffusiongemma.sampling import presets
+from diffusiongemma.sampling import pretrained as pretrained_lib
 from diffusiongemma.sampling import prompts as prompts_lib
 from diffusiongemma.sampling import sampler as sampler_lib
 from diffusiongemma.sampling import stats as stats_lib
@@ -84,30 +77,6 @@ class Reply:
   finished: bool
   prompt: str
   stats: dict[str, Any]
-
-
-class _LiveSampler(sampler_lib.Sampler):
-  """The same sampler, whose denoiser also sends each pass's argmax canvas [B, C] and self-conditioning
-  flag [B] (False on a canvas's first pass) to the host, to whichever listener `_live` holds."""
-
-  def denoiser(self, variables, cache):
-    emit = lambda stats, sc_mask: jax.debug.callback(_live.emit, stats.argmax, sc_mask, ordered=True)
-    return dataclasses.replace(super().denoiser(variables, cache), on_pass=emit)
-
-
-class _Live:
-  """The host end of `_LiveSampler`'s callback: forwards to the listener of the call in progress."""
-
-  def __init__(self):
-    self.lock = threading.Lock()  # one live call at a time
-    self.listener: Callable[[np.ndarray, np.ndarray], None] | None = None
-
-  def emit(self, argmax, sc_mask) -> None:
-    if self.listener is not None:
-      self.listener(np.asarray(argmax), np.asarray(sc_mask))
-
-
-_live = _Live()
 
 
 def _check_budgets(image_budget, video_budget) -> None:
@@ -155,11 +124,7 @@ class ChatSampler:
     self.image_budget, self.video_budget = image_budget, video_budget
     stops = list(sampler.stop_tokens)
     stops += [t for t in (tokenizer.eos_id, control[fmt.TURN_CLOSE]) if t not in stops]
-    self.sampler = sampler_lib.Sampler(sampler.model, sampler.config.replace(stop_tokens=tuple(stops)),
-                                       noise=sampler.noise, acceptance=sampler.rules.acceptance,
-                                       stopping=sampler.rules.stopping)
-    self._live_sampler = _LiveSampler(self.sampler.model, self.sampler.config, noise=sampler.noise,
-                                      acceptance=sampler.rules.acceptance, stopping=sampler.rules.stopping)
+    self.sampler = sampler.replace(config=sampler.config.replace(stop_tokens=tuple(stops)))
     special = getattr(tokenizer, "special_tokens", {})
     self._stop_ids = tuple(t for t in self.sampler.stop_tokens if t in special)  # the reply splitter's stops
     self.reset()
@@ -173,7 +138,7 @@ class ChatSampler:
     """A conversation with a transformers checkpoint folder (config.json, safetensors, tokenizer.json or
     tokenizer.model, optional generation_config.json and chat template).
 
-    Loaded by `build.pretrained`: dtype (the weights are cast to it as they are read, and computation
+    Loaded by `sampling.pretrained.load`: dtype (the weights are cast to it as they are read, and computation
     runs in it), shardings ("local": over every local device), the checkpoint's generation defaults then
     `preset` ('default', 'code', 'creative') then `sampler_overrides` (SamplerConfig fields), and
     model_overrides (ModelConfig fields, e.g. moe_impl); everything that can be checked without the
@@ -181,45 +146,12 @@ class ChatSampler:
     checkpoint's, else 256.
     """
     _check_budgets(image_budget, video_budget)  # before the weights are read
-    loaded = build.pretrained(path, preset=preset, dtype=dtype, shardings=shardings,
-                              model_overrides=model_overrides, **sampler_overrides)
+    loaded = pretrained_lib.load(path, preset=preset, dtype=dtype, shardings=shardings,
+                                 model_overrides=model_overrides, **sampler_overrides)
     return cls(loaded.sampler, loaded.weights.variables, loaded.tokenizer,
                max_new_tokens=max_new_tokens or loaded.max_new_tokens or 256,
                empty_thought=fmt.template_prefills_empty_thought(path), image_budget=image_budget,
                video_budget=video_budget, seed=seed)
-
-  @classmethod
-  def from_workdir(cls, workdir: os.PathLike | str, config=None, *, tokenizer=None, preset: str = "default",
-                   max_new_tokens: int | None = None, seed: int = 0, **sampler_overrides) -> ChatSampler:
-    """A conversation with the latest checkpoint of a training workdir.
-
-    config: the run's ConfigDict (default: the one training saved in the workdir). tokenizer: a
-    checkpoint folder (or its `CheckpointTokenizer`) whose tokenizer the model was fine-tuned with;
-    default: `workdir/tokenizer.json` if there is one. Without one the workdir is refused: its
-    sentencepiece tokenizer has no Gemma 4 control tokens (see the module docstring). The sampler settings
-    are `config.sampler`, then `preset`, then `sampler_overrides`.
-    """
-    workdir = pathlib.Path(workdir)
-    config = config if config is not None else build.workdir_config(workdir)
-    if config is None:
-      raise FileNotFoundError(f"{workdir} has no saved config.json: pass the run's config.")
-    if tokenizer is None:
-      if not (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():
-        raise ValueError(
-            f"Cannot chat with the workdir {str(workdir)!r}: its tokenizer is this project's sentencepiece model, "
-            f"which has none of the Gemma 4 control tokens {list(hf_tokenizer.REQUIRED_CONTROL_TOKENS)}, and a "
-            "model trained on the project's corpus has never seen a conversation. Sample a continuation with "
-            "scripts/sample.py --prompt=...; for a model fine-tuned from the released weights, pass the "
-            "checkpoint's tokenizer (tokenizer=<folder>, chat.py --tokenizer=<folder>).")
-      tokenizer = workdir
-    if not isinstance(tokenizer, hf_tokenizer.CheckpointTokenizer):
-      tokenizer = hf_tokenizer.CheckpointTokenizer(tokenizer)
-    sampler_cfg, _ = presets.sampler_config(None, preset, base=build.sampler_config(config), **sampler_overrides)
-    weights = build.load(config, workdir=workdir)
-    cfg = weights.model_config
-    sampler = sampler_lib.Sampler(DiffusionGemma(cfg), sampler_cfg, noise=build.noise(config, cfg.vocab_size))
-    return cls(sampler, weights.variables, tokenizer, max_new_tokens=max_new_tokens or build.max_new_tokens(config),
-               seed=seed)
 
   # ------------------------------------------------------------------------------------ conversation
   def reset(self) -> None:
@@ -308,13 +240,12 @@ class ChatSampler:
     cut, suffix_images = self._reuse(ids, all_images)
     cache = self._cut_cache(cut) if cut else self._empty_cache()
     pixels = images_lib.stack(suffix_images)[:2] if suffix_images else None
-    sampler = self._live_sampler if on_step is not None else self.sampler
-    compiled_before = _program_cache_size()
+    compiled_before = sampler_lib.compiled_programs()
     start = time.perf_counter()
-    with self._listening(on_step):
-      out = sampler.generate(self.variables, [ids[cut:]], self._rng(seed), max_new, cache=cache,
-                             return_cache=True, images=pixels, constraint=constraint)
-      out = jax.block_until_ready(out)
+    out = self.sampler.generate(self.variables, [ids[cut:]], self._rng(seed), max_new, cache=cache,
+                                return_cache=True, images=pixels, constraint=constraint,
+                                on_pass=None if on_step is None else self._drafts(on_step))
+    out = jax.block_until_ready(out)
     seconds = time.perf_counter() - start
 
     row = np.asarray(out.tokens)[0]
@@ -322,7 +253,7 @@ class ChatSampler:
     parts = fmt.split_reply(tokens, self.tokenizer, stop_ids=self._stop_ids)
     summary = stats_lib.summary(out.tokens, out.canvas_passes, self.config.pad_id, seconds)
     summary.update(prompt_tokens=len(ids), reused_tokens=cut, encoded_tokens=len(ids) - cut,
-                   compiled=_program_cache_size() > compiled_before)
+                   compiled=sampler_lib.compiled_programs() > compiled_before)
     # The state moves on only now that the turn succeeded.
     self.system = system or None
     self.history += [user, {"role": "model", "content": parts.text, "thought": parts.thought}]
@@ -370,35 +301,18 @@ class ChatSampler:
     first = sum(1 for begin in begins if begin < cut)
     return cut, list(all_images[first:])
 
-  @contextlib.contextmanager
-  def _listening(self, on_step: Callable[[Draft], None] | None):
-    """A context in which `_live` forwards each pass of this call to `on_step` as a `Draft`."""
-    if on_step is None:
-      yield
-      return
+  def _drafts(self, on_step: Callable[[Draft], None]) -> Callable[[sampler_lib.PassEvent], None]:
+    """The `generate` listener of one turn: each pass's argmax canvas as a `Draft` of the reply so far."""
     stream = fmt.ReplyStream(self.tokenizer, stop_ids=self._stop_ids)
-    state = {"canvas": -1, "step": 0, "last": None}
+    state = {"canvas": 0, "last": None}
 
-    def listener(argmax: np.ndarray, sc_mask: np.ndarray) -> None:
-      if not bool(sc_mask[0]):  # a canvas's first pass: the previous canvas is committed
+    def listener(event: sampler_lib.PassEvent) -> None:
+      if event.canvas_index != state["canvas"]:  # a new canvas: the previous one is committed
         if state["last"] is not None:
           stream.feed(state["last"])
-        state["canvas"], state["step"] = state["canvas"] + 1, 0
-      else:
-        state["step"] += 1
-      draft = tuple(int(t) for t in argmax[0])
+        state["canvas"] = event.canvas_index
+      draft = tuple(int(t) for t in event.argmax[0])
       state["last"] = draft
-      on_step(Draft(state["canvas"], state["step"], draft, stream.view(draft)))
+      on_step(Draft(event.canvas_index, event.step, draft, stream.view(draft)))
 
-    with _live.lock:
-      _live.listener = listener
-      try:
-        yield
-      finally:
-        _live.listener = None
-
-
-def _program_cache_size() -> int:
-  """Programs compiled so far by the sampler (to tell a call that compiled from one that did not)."""
-  size = getattr(sampler_lib._program, "_cache_size", None)  # pylint: disable=protected-access
-  return size() if size is not None else 0
+    return listener

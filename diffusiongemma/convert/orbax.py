@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 
 from diffusiongemma.convert import hf
 from diffusiongemma.model import ModelConfig
-from diffusiongemma.training import checkpoint
+from diffusiongemma import parallel
 
 PARAMS_DIRNAME = "params"
 MODEL_CONFIG_FILENAME = "model_config.json"
@@ -47,5 +47,5 @@ def load_orbax(orbax_dir: os.PathLike | str, cfg: ModelConfig | None = None) -> 
     cfg = ModelConfig.from_dict(json.loads(path.read_text()))
   checkpointer = ocp.StandardCheckpointer()
   saved = checkpointer.metadata(orbax_dir / PARAMS_DIRNAME).item_metadata.tree
-  target = checkpoint.abstract_with_sharding(saved, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+  target = parallel.abstract_with_sharding(saved, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
   return cfg, checkpointer.restore(orbax_dir / PARAMS_DIRNAME, target)

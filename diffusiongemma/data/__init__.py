@@ -3,7 +3,6 @@ and video."""
 
 from diffusiongemma.data import images
 from diffusiongemma.data import sft
-from diffusiongemma.data import sudoku
 from diffusiongemma.data.corpus import load_corpus
 from diffusiongemma.data.corpus import read_text_files
 from diffusiongemma.data.corpus import split_files
@@ -31,6 +30,5 @@ __all__ = [
     "sft",
     "split_files",
     "stdlib_files",
-    "sudoku",
     "tokenize_corpus",
 ]

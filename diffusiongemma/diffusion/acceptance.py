@@ -5,7 +5,7 @@ are the step's per-position statistics of the temperature-scaled distribution (`
 `eligible` [B, C] marks the positions that may still change (all of them for uniform noise; the
 still-masked ones for masked noise). Every rule accepts at least one eligible position of each row that
 has one; ties are broken towards the lower position (stable sorts). A new rule is a new class; config
-strings map to them in `build.ACCEPTANCE_RULES`.
+names map to them in `build/registry.py`.
 
 Axes: B batch, C canvas.
 """
@@ -13,7 +13,8 @@ Axes: B batch, C canvas.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+import math
+from typing import ClassVar, Protocol
 
 import flax.struct
 import jax
@@ -30,11 +31,34 @@ class TokenStats:
   confidence: Array  # float32, the top probability
   argmax: Array  # int32
   sample: Array  # int32, one draw per position
+  margin: Array | None = None  # float32, top probability minus the runner-up's (when a rule needs it)
 
 
 class AcceptanceRule(Protocol):
+  """`needs_margin`: the rule reads `TokenStats.margin` (the vocabulary head then computes it)."""
+
+  needs_margin: ClassVar[bool]
 
   def __call__(self, stats: TokenStats, eligible: Array) -> Array: ...
+
+
+def _check_number(rule, field: str, low: float, high: float, low_open: bool) -> None:
+  value = getattr(rule, field)
+  ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+  ok = ok and (value > low if low_open else value >= low) and value <= high
+  if not ok:
+    interval = f"{'(' if low_open else '['}{low}, {high}]"
+    raise ValueError(f"{type(rule).__name__}.{field}={value!r} is invalid: must be a number in {interval}.")
+
+
+def _best_or_above(score: Array, threshold: float, eligible: Array) -> Array:
+  """Eligible positions whose score is >= threshold; where a row has none, its single best (the first of
+  equal maxima)."""
+  above = (score >= threshold) & eligible
+  key = jnp.where(eligible, score, -jnp.inf)
+  best = jnp.argmax(key, axis=-1)  # [B]
+  top1 = (jnp.arange(score.shape[-1])[None] == best[:, None]) & eligible
+  return jnp.where(above.any(-1, keepdims=True), above, top1)
 
 
 def _scatter_sorted(order: Array, sorted_mask: Array) -> Array:
@@ -53,6 +77,10 @@ class EntropyBound:
   """
 
   bound: float = 0.1
+  needs_margin: ClassVar[bool] = False
+
+  def __post_init__(self):
+    _check_number(self, "bound", 0.0, math.inf, low_open=False)
 
   def __call__(self, stats: TokenStats, eligible: Array) -> Array:
     token_entropy = stats.entropy
@@ -70,14 +98,31 @@ class Confidence:
   """Eligible positions whose top probability is >= threshold (Fast-dLLM); else the single most confident."""
 
   threshold: float = 0.9
+  needs_margin: ClassVar[bool] = False
+
+  def __post_init__(self):
+    _check_number(self, "threshold", 0.0, 1.0, low_open=True)
 
   def __call__(self, stats: TokenStats, eligible: Array) -> Array:
-    confidence = stats.confidence
-    above = (confidence >= self.threshold) & eligible
-    key = jnp.where(eligible, confidence, -jnp.inf)
-    best = jnp.argmax(key, axis=-1)  # [B]; the first of equal maxima
-    top1 = (jnp.arange(confidence.shape[-1])[None] == best[:, None]) & eligible
-    return jnp.where(above.any(-1, keepdims=True), above, top1)
+    return _best_or_above(stats.confidence, self.threshold, eligible)
+
+
+@dataclasses.dataclass(frozen=True)
+class Margin:
+  """Eligible positions whose top probability exceeds the runner-up's by >= threshold (Kim et al. 2025,
+  "Train for the worst, plan for the best": ordering by the top-2 margin); else the single largest margin.
+  A position torn between two tokens waits even when each is likely, which is what puzzles need."""
+
+  threshold: float = 0.9
+  needs_margin: ClassVar[bool] = True
+
+  def __post_init__(self):
+    _check_number(self, "threshold", 0.0, 1.0, low_open=True)
+
+  def __call__(self, stats: TokenStats, eligible: Array) -> Array:
+    if stats.margin is None:
+      raise ValueError("Margin acceptance needs TokenStats.margin: build the vocabulary head with margin=True.")
+    return _best_or_above(stats.margin, self.threshold, eligible)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +130,11 @@ class TopCount:
   """The `count` most confident eligible positions (LLaDA-style; all eligible ones when fewer remain)."""
 
   count: int = 1
+  needs_margin: ClassVar[bool] = False
+
+  def __post_init__(self):
+    if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+      raise ValueError(f"TopCount.count={self.count!r} is invalid: must be a positive integer.")
 
   def __call__(self, stats: TokenStats, eligible: Array) -> Array:
     key = jnp.where(eligible, -stats.confidence, jnp.inf)

@@ -1,7 +1,7 @@
 """Discrete noise processes of block diffusion: uniform-state (released) and masked (absorbing).
 
 A noise process is one frozen object that training and sampling share, so that a model is always sampled
-with the noise it learned (`build.noise(config)` makes it from `config.diffusion`):
+with the noise it learned (`for_model(model_config)`; `ModelConfig.noise` names it):
 
 - training: `corrupt` a clean canvas at noise level t (each token independently with probability t, a
   linear schedule alpha_t = 1 - t), the per-position `loss_weights` of its objective, and `prepare_logits`
@@ -25,6 +25,7 @@ mask token is the last id of the vocabulary unless one is named; the tokenizer m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 import jax
@@ -154,6 +155,20 @@ class MaskedNoise:
     del keys
     accepted = accepted & ~fixed
     return jnp.where(accepted, sampled, canvas), fixed | accepted
+
+
+# Noise process names (`ModelConfig.noise`, `config.diffusion.noise`) -> (vocab_size, mask_token_id) -> process.
+PROCESSES: dict[str, Callable[[int, int | None], NoiseProcess]] = {
+    "uniform": lambda vocab_size, mask_token_id: UniformNoise(vocab_size),
+    "masked": MaskedNoise,
+}
+
+
+def for_model(config) -> NoiseProcess:
+  """The noise process a model was trained with: `config.noise` (a `ModelConfig`) over its vocabulary."""
+  if config.noise not in PROCESSES:
+    raise ValueError(f"ModelConfig.noise={config.noise!r} is unknown; expected one of {tuple(PROCESSES)}.")
+  return PROCESSES[config.noise](config.vocab_size, config.mask_token_id)
 
 
 def sample_time(rng: Array, shape, eps: float) -> Array:

@@ -4,7 +4,7 @@ A rule is a small frozen object with `init(batch_size, canvas_length) -> state` 
 the compiled loop) and `rule(state, stats) -> (stop [B] bool, state)`, called after every step with that
 step's `TokenStats` (whose `argmax` is the canvas that would be committed). Rules combine with `AllOf`
 (gemma's `ChainedEarlyStop`) and `AnyOf`. A new rule is a new class; config strings map to them in
-`build.STOPPING_RULES`. The step cap (`max_denoising_steps`) ends a canvas whatever the rule says.
+`build/registry.py`. The step cap (`max_denoising_steps`) ends a canvas whatever the rule says.
 
 Axes: B batch, C canvas, S history.
 """
@@ -69,6 +69,11 @@ class MeanEntropyBelow:
   """The mean entropy of the tempered distribution over the canvas is strictly below `threshold`."""
 
   threshold: float = 0.005
+
+  def __post_init__(self):
+    value = self.threshold
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+      raise ValueError(f"MeanEntropyBelow.threshold={value!r} is invalid: must be a positive finite number.")
 
   def init(self, batch_size: int, canvas_length: int) -> tuple:
     del batch_size, canvas_length

@@ -1,7 +1,2 @@
-"""Evaluation: validation loss and perplexity (`validation`); imported on their own, since they load data,
-checkpoints and samplers: the generative quality of samples (`evaluation.generative`) and task
-evaluations (`evaluation.sudoku`)."""
-
-from diffusiongemma.evaluation import validation
-
-__all__ = ["validation"]
+"""Evaluations of samplers: the generative quality of samples (`evaluation.generative`), imported on its
+own since it loads data and samplers. Training's own validation pass is `training.validation`."""

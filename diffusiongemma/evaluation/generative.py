@@ -20,19 +20,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffusiongemma import build
 from diffusiongemma import data as data_lib
 from diffusiongemma.model import DiffusionGemma, ModelConfig
 from diffusiongemma.sampling import prompts as prompts_lib
 from diffusiongemma.sampling import stats as stats_lib
-from diffusiongemma.training import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,14 +135,13 @@ def sample(sampler, variables, prompts: np.ndarray, rng, max_new_tokens: int, ba
                                                  "steps_per_canvas")}
 
 
-def validation_prompts(config, tokenizer, num_samples: int) -> tuple[np.ndarray, np.ndarray]:
-  """(prompts [N, P], what follows them [N, n*C]): N training-layout windows of the validation split,
-  evenly spread over it (the prompt is each window's first `config.data.prompt_length` tokens)."""
-  texts = data_lib.load_corpus(config.data.corpus, "validation", text_field=config.data.text_field,
-                               validation_fraction=config.data.validation_fraction)
+def validation_prompts(texts: Sequence[str], tokenizer, num_samples: int, *, prompt_length: int,
+                       length: int) -> tuple[np.ndarray, np.ndarray]:
+  """(prompts [N, P], what follows them [N, length - P]): N windows of `length` tokens of the tokenized
+  `texts` (the validation split), evenly spread over them; the prompt is each window's first
+  `prompt_length` tokens (the training layout)."""
   stream = data_lib.tokenize_corpus(texts, tokenizer)
-  p = config.data.prompt_length
-  length = p + config.data.num_canvases * config.model.canvas_length
+  p = prompt_length
   windows = stream.size // length
   if windows < num_samples:
     raise ValueError(f"The validation split has {windows} windows of {length} tokens, fewer than "
@@ -154,62 +151,27 @@ def validation_prompts(config, tokenizer, num_samples: int) -> tuple[np.ndarray,
   return rows[:, :p], rows[:, p:]
 
 
-def load_judge(name: str, workdir, model_config: ModelConfig | None = None) -> Judge:
-  """The latest checkpoint of a training workdir as a judge; its model config comes from the workdir's
-  config.json (so a baseline may differ from the writer), else `model_config`."""
-  if checkpoint.latest_step(workdir) is None:
-    raise FileNotFoundError(f"No checkpoint in {workdir}/{checkpoint.CHECKPOINT_DIRNAME} for the {name} judge: "
-                            "train it first (e.g. scripts/train.py --config=configs/small_ar.py).")
-  saved = build.workdir_config(workdir)
-  if saved is not None:
-    model_config = build.model_config(saved)
-  if model_config is None:
-    raise ValueError(f"{workdir}/{checkpoint.CONFIG_FILENAME} is missing and no model config was given for "
-                     f"the {name} judge.")
-  return Judge(name, DiffusionGemma(model_config), checkpoint.load_params(workdir)[0])
-
-
-def _workdir_tokenizer(workdir) -> bytes | None:
-  """The serialized tokenizer a workdir trained with, when it can be found."""
-  path = pathlib.Path(workdir) / data_lib.TOKENIZER_FILENAME
-  saved = build.workdir_config(workdir)
-  if saved is not None:
-    path = pathlib.Path(saved.data.get("tokenizer_path") or path)
-  return data_lib.Tokenizer(path).serialized if path.is_file() else None
-
-
 class GenerativeEval:
   """Everything loaded once (the writer's weights, the judges, the prompts) for many sampler settings.
 
-  `run(**sampler_overrides)` samples a continuation of every prompt with `config.sampler` changed by the
-  overrides and returns the tokens per forward, the scores of `score` and the settings used.
+  `run(**sampler_overrides)` samples a continuation of every prompt with a sampler of `make_sampler(
+  **sampler_overrides)` and returns the tokens per forward, the scores of `score` and the settings used.
+  (`build.generative_eval(config, workdir, ...)` makes one from a training run.)
   """
 
-  def __init__(self, config, workdir, *, baseline_workdir=None, num_samples: int = 16, batch_size: int = 8,
-               seed: int = 0):
-    if num_samples < 1 or batch_size < 1:
-      raise ValueError(f"num_samples and batch_size must be >= 1, got {num_samples} and {batch_size}.")
-    self.config, self.batch_size, self.seed = config, min(batch_size, num_samples), seed
-    weights = build.load(config, workdir=workdir)
-    self.model_config, self.variables, self.source = weights.model_config, weights.variables, weights.source
-    self.tokenizer = build.tokenizer(config, workdir)
-    self.judges = [Judge("self", DiffusionGemma(self.model_config), self.variables)]
-    if baseline_workdir:
-      baseline = load_judge("baseline", baseline_workdir, self.model_config)
-      if baseline.model.config.vocab_size != self.model_config.vocab_size:
-        raise ValueError(f"The baseline in {baseline_workdir} has vocab_size "
-                         f"{baseline.model.config.vocab_size}, the model {self.model_config.vocab_size}: "
-                         "a judge must share the tokenizer.")
-      other = _workdir_tokenizer(baseline_workdir)
-      if other is not None and other != self.tokenizer.serialized:
-        raise ValueError(f"The baseline in {baseline_workdir} was trained with another tokenizer; retrain "
-                         f"it with --config.data.tokenizer_path=<the model's tokenizer.model>.")
-      self.judges.append(baseline)
-    self.prompts, self.following = validation_prompts(config, self.tokenizer, num_samples)
+  def __init__(self, make_sampler: Callable[..., Any], variables, tokenizer, judges: Sequence[Judge],
+               prompts: np.ndarray, following: np.ndarray, *, max_new_tokens: int, source: str = "",
+               batch_size: int = 8, seed: int = 0):
+    if len(prompts) < 1 or batch_size < 1:
+      raise ValueError(f"GenerativeEval needs prompts and batch_size >= 1, got {len(prompts)} and {batch_size}.")
+    self.make_sampler, self.variables, self.tokenizer = make_sampler, variables, tokenizer
+    self.judges, self.prompts, self.following = list(judges), prompts, following
+    self.max_new_tokens, self.source = max_new_tokens, source
+    self.batch_size, self.seed = min(batch_size, len(prompts)), seed
 
   def run(self, max_new_tokens: int | None = None, **sampler_overrides) -> dict[str, Any]:
-    sampler = build.sampler(self.config, self.model_config, **sampler_overrides)
-    max_new_tokens = max_new_tokens or build.max_new_tokens(self.config)
+    sampler = self.make_sampler(**sampler_overrides)
+    max_new_tokens = max_new_tokens or self.max_new_tokens
     continuations, stats = sample(sampler, self.variables, self.prompts, jax.random.key(self.seed),
                                   max_new_tokens, self.batch_size)
     results = {"weights": self.source, "max_new_tokens": max_new_tokens, "sampler": sampler.settings(),

@@ -122,6 +122,11 @@ class ModelConfig:
   pad_id: int = 0
   eos_id: int = 1
   bos_id: int = 2
+  # The noise process these weights were trained with, which every sampler of them uses
+  # (`diffusion.noise.for_model`): 'uniform' (released) or 'masked' (absorbing, with `mask_token_id`,
+  # None meaning the last id of the vocabulary).
+  noise: str = "uniform"
+  mask_token_id: int | None = None
   # The Gemma 4 vision encoder (None: a text-only model) and the ids of its tokens: each image is
   # `begin_image_id`, one `image_id` per soft token (replaced by the image's embeddings), `end_image_id`.
   vision: VisionConfig | None = None
@@ -179,6 +184,11 @@ class ModelConfig:
         fail(field, f"must be one of {DTYPES}")
     if self.moe_impl not in MOE_IMPLEMENTATIONS:
       fail("moe_impl", f"must be one of {MOE_IMPLEMENTATIONS}")
+    if not isinstance(self.noise, str):
+      fail("noise", "must be the name of a noise process (e.g. 'uniform' or 'masked')")
+    if self.mask_token_id is not None and not (isinstance(self.mask_token_id, int) and
+                                               0 <= self.mask_token_id < self.vocab_size):
+      fail("mask_token_id", f"must be None (the last id) or a token id in [0, vocab_size={self.vocab_size})")
     for field in ("pad_id", "eos_id", "bos_id"):
       if not 0 <= getattr(self, field) < self.vocab_size:
         fail(field, f"must be a token id in [0, vocab_size={self.vocab_size})")

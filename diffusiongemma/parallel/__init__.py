@@ -1,5 +1,6 @@
 """Meshes, logical-axis rules and sharded initialisation."""
 
+from diffusiongemma.parallel.mesh import abstract_with_sharding
 from diffusiongemma.parallel.mesh import batch_sharding
 from diffusiongemma.parallel.mesh import BATCH_AXES
 from diffusiongemma.parallel.mesh import init_params
@@ -12,7 +13,7 @@ from diffusiongemma.parallel.mesh import param_shardings
 from diffusiongemma.parallel.mesh import param_specs
 from diffusiongemma.parallel.mesh import replicated
 
-__all__ = ["BATCH_AXES", "LOGICAL_RULES", "MESH_AXES", "batch_sharding", "init_params", "logical_rules",
+__all__ = ["BATCH_AXES", "abstract_with_sharding", "LOGICAL_RULES", "MESH_AXES", "batch_sharding", "init_params", "logical_rules",
            "make_mesh", "mesh_shape", "param_shardings", "param_specs", "replicated"]
 
 from diffusiongemma.parallel.distributed import initialize_distributed  # pylint: disable=g-import-not-at-top

@@ -128,3 +128,10 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: Mesh, *init_args, rules=
   shardings = param_shardings(boxed, mesh, rules)
   init = jax.jit(lambda r: nn.unbox(model.init(r, *init_args)["params"]), out_shardings=shardings)
   return init(rng), shardings
+
+
+def abstract_with_sharding(tree, sharding):
+  """`tree` as ShapeDtypeStructs placed by `sharding`: one sharding for every leaf, or a matching tree."""
+  if isinstance(sharding, jax.sharding.Sharding):
+    sharding = jax.tree.map(lambda _: sharding, tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)

@@ -1,6 +1,7 @@
 """Sampling: the compiled block-diffusion sampler, autoregressive decoding, and their statistics.
 
-Imports neither `data` nor `training`: a sampler needs a model, its parameters and the diffusion objects.
+The sampler needs a model, its parameters and the diffusion objects; `sampling.pretrained` also reads a
+transformers checkpoint folder (weights, tokenizer, generation defaults).
 """
 
 from diffusiongemma.sampling import constrained
@@ -10,6 +11,7 @@ from diffusiongemma.sampling.autoregressive import ARSampleOutput
 from diffusiongemma.sampling.autoregressive import ARSampler
 from diffusiongemma.sampling.config import SamplerConfig
 from diffusiongemma.sampling.constrained import Constraint
+from diffusiongemma.sampling.sampler import PassEvent
 from diffusiongemma.sampling.sampler import SampleOutput
 from diffusiongemma.sampling.sampler import Sampler
 from diffusiongemma.sampling.steps import DenoiseState
@@ -17,6 +19,6 @@ from diffusiongemma.sampling.steps import Rules
 from diffusiongemma.sampling.steps import StepTrace
 
 __all__ = [
-    "ARSampleOutput", "ARSampler", "Constraint", "DenoiseState", "Rules", "SampleOutput", "Sampler",
+    "ARSampleOutput", "ARSampler", "Constraint", "DenoiseState", "PassEvent", "Rules", "SampleOutput", "Sampler",
     "SamplerConfig", "StepTrace", "constrained", "prompts", "stats",
 ]

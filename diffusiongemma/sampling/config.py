@@ -1,36 +1,25 @@
-"""`SamplerConfig`: every knob of the block-diffusion sampler, frozen, hashable and validated once."""
+"""`SamplerConfig`: the released block-diffusion sampler's settings, frozen, hashable and validated once."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
 
-ACCEPTANCE_NAMES = ("entropy", "confidence", "count")  # build.ACCEPTANCE_RULES maps them to objects
-STOPPING_NAMES = ("stable", "fixed")  # build.STOPPING_RULES
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
-  """Settings of `Sampler.generate`; the defaults are those of the released model (transformers).
+  """The released sampler's settings (transformers' `generate` defaults), frozen and hashable.
 
-  The noise process is not a setting here: a model is sampled with the noise it was trained with, which
-  `Sampler(model, config, noise=...)` is given (`build.sampler(config)` passes `config.diffusion`'s).
+  `Sampler(model, config)` makes its default components from these numbers: the schedule
+  `Linear(t_max, t_min)` (T = t_min + (t_max - t_min) * n / N at n of N steps remaining), the acceptance
+  rule `EntropyBound(entropy_bound)` and the stopping rule `stable_and_confident(stability_threshold,
+  confidence_threshold)`; a sampler given other components ignores the numbers of the ones it replaces.
+  The noise process is the model's own (`ModelConfig.noise`).
 
-  Schedule: at step n of N (counting the steps *remaining*, N down to 1) the logits are divided by
-  T = t_min + (t_max - t_min) * n / N, so the first step runs at t_max and the last one just above t_min.
-
-  acceptance: which sampled tokens of a step are kept.
-    'entropy'    (released) the lowest-entropy positions whose summed entropy, minus the largest of them,
-                 is at most `entropy_bound` (EB-sampler); at least one token per step.
-    'confidence' positions whose top probability is at least `confidence_accept` (Fast-dLLM); when none
-                 is, the single most confident one.
-    'count'      the `tokens_per_step` most confident positions (LLaDA-style).
-  stopping: when a canvas is done.
-    'stable'     (released) the argmax canvas equals the previous `stability_threshold` steps' argmax
-                 canvases and the mean entropy of the scaled distribution is below `confidence_threshold`.
-    'fixed'      always run `max_denoising_steps` steps.
+  max_denoising_steps: the step cap N of a canvas.
   stop_tokens: after the first of them a row is finished and the rest of its output is pad; None means
     the model's `eos_id`.
   canvas_length: None means the model's; anything else must equal it.
@@ -48,10 +37,6 @@ class SamplerConfig:
   stability_threshold: int = 1
   confidence_threshold: float = 0.005
   stop_tokens: tuple[int, ...] | None = None
-  acceptance: str = "entropy"
-  confidence_accept: float = 0.9
-  tokens_per_step: int = 1
-  stopping: str = "stable"
   canvas_length: int | None = None
   prompt_bucket: int = 64
   vocab_chunk_size: int | None = 1024
@@ -72,21 +57,17 @@ class SamplerConfig:
     def is_real(value):
       return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
-    for field in ("max_denoising_steps", "tokens_per_step", "prompt_bucket"):
+    for field in ("max_denoising_steps", "prompt_bucket"):
       if not is_int(getattr(self, field)) or getattr(self, field) < 1:
         fail(field, "must be a positive integer")
     for field in ("t_max", "t_min", "entropy_bound", "confidence_threshold"):
-      if not is_real(getattr(self, field)) or not getattr(self, field) > 0:
-        fail(field, "must be a positive number")
+      value = getattr(self, field)
+      if not is_real(value) or not 0 < value < math.inf:
+        fail(field, "must be a positive finite number")
     if self.t_min > self.t_max:
       fail("t_min", f"must be at most t_max={self.t_max!r}")
-    if not is_real(self.confidence_accept) or not 0 < self.confidence_accept <= 1:
-      fail("confidence_accept", "must be a probability in (0, 1]")
     if not is_int(self.stability_threshold) or self.stability_threshold < 0:
       fail("stability_threshold", "must be an integer >= 0")
-    for field, allowed in (("acceptance", ACCEPTANCE_NAMES), ("stopping", STOPPING_NAMES)):
-      if getattr(self, field) not in allowed:
-        fail(field, f"must be one of {allowed}")
     if self.stop_tokens is not None and not all(is_int(t) and t >= 0 for t in self.stop_tokens):
       fail("stop_tokens", "must be non-negative token ids")
     for field in ("canvas_length", "vocab_chunk_size"):

@@ -169,8 +169,6 @@ class CanvasConstraint:
     out = head(denoiser.table, hidden, temp, uniforms, restrict)
     scores = head.scaled_logits(denoiser.table, hidden, 0, temp, restrict)  # [B, C, V] (the same matmul)
     stats = out.stats
-    if denoiser.on_pass is not None:
-      denoiser.on_pass(stats, state.has_sc)
     accepted = rules.acceptance(stats, ~state.fixed)
     sample = vocab.complete_draw(scores, out, uniforms)  # [B, C]: the same inverse-CDF draw, every position
     canvas, fixed = rules.noise.renoise(noise_keys, state.canvas, sample, accepted, state.fixed)

@@ -5,9 +5,12 @@ Axes: B batch, L prompt length, C canvas, K canvases, N steps, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
+from collections.abc import Callable
 
 import flax.linen as nn
 import flax.struct
@@ -15,9 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffusiongemma import build
+from diffusiongemma.diffusion import acceptance as acceptance_lib
 from diffusiongemma.diffusion import constraints as cons
 from diffusiongemma.diffusion import noise as noise_lib
+from diffusiongemma.diffusion import schedules as schedules_lib
+from diffusiongemma.diffusion import stopping as stopping_lib
 from diffusiongemma.model.attention import KVCache
 from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import prompts as prompts_lib
@@ -66,8 +71,68 @@ class _CanvasLoop:
   automaton_state: Array | None  # [B] int32 with a constraint: the state after the committed canvases
 
 
-class Sampler(prompts_lib.StaticArgument):
+@dataclasses.dataclass(frozen=True)
+class PassEvent:
+  """What `generate(..., on_pass=fn)` hands `fn` after every denoiser pass, on the host (numpy arrays).
+
+  canvas_index: which canvas of the call (from 0); step: the pass within it (from 0); argmax [B, C]: the
+  canvas that would be committed now; canvas [B, C]: what the next pass sees (accepted tokens, re-noised
+  or masked others); accepted [B, C]: positions this pass accepted; fixed [B, C]: positions that can no
+  longer change (masked noise: unmasked ones; given positions); active [B]: rows this pass counted for
+  (a row that was already done or finished is not active); done [B]: rows whose canvas is done after it.
+  """
+
+  canvas_index: int
+  step: int
+  argmax: np.ndarray
+  canvas: np.ndarray
+  accepted: np.ndarray
+  fixed: np.ndarray
+  active: np.ndarray
+  done: np.ndarray
+
+
+class _Listeners:
+  """The host end of streaming: `generate` registers its `on_pass` under a fresh id for the duration of the
+  call and the compiled program (which takes the id as an argument, so one program serves every
+  listener) sends each pass to `emit` with that id."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._next = 0
+    self._listeners: dict[int, Callable[[PassEvent], None]] = {}
+
+  @contextlib.contextmanager
+  def registered(self, listener: Callable[[PassEvent], None]):
+    with self._lock:
+      self._next += 1
+      key = self._next
+      self._listeners[key] = listener
+    try:
+      yield key
+    finally:
+      with self._lock:
+        del self._listeners[key]
+
+  def emit(self, key, canvas_index, step, argmax, canvas, accepted, fixed, active, done) -> None:
+    listener = self._listeners.get(int(key))
+    if listener is not None:
+      listener(PassEvent(int(canvas_index), int(step), *map(np.asarray, (argmax, canvas, accepted, fixed,
+                                                                           active, done))))
+
+
+_LISTENERS = _Listeners()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
   """Block-diffusion sampling with the released algorithm (transformers' `generate`), fully compiled.
+
+  A sampler is its components, a frozen value (`dataclasses.replace(sampler, acceptance=Margin(0.9))`
+  swaps one): the model, `config` (the limits and the released rules' numbers), the `noise` process
+  (default: the model's own, `ModelConfig.noise`), the `acceptance` rule (default
+  `EntropyBound(config.entropy_bound)`), the `stopping` rule (default `stable_and_confident(...)` of
+  `config`) and the temperature `schedule` (default `Linear(config.t_max, config.t_min)`).
 
   For each canvas of C tokens, until K = ceil(max_new_tokens / C) canvases or every row has stopped:
     1. start from the noise process's initial canvas (uniform: random tokens over the whole vocabulary;
@@ -75,68 +140,85 @@ class Sampler(prompts_lib.StaticArgument):
     2. for n = N .. 1 steps remaining, while the row is not done: one denoiser pass over the canvas, with
        the previous pass's tempered distribution as self-conditioning (its expected embedding
        softmax(logits / T) @ E * sqrt(D), the same as feeding those logits); per position, the entropy,
-       top probability and argmax of softmax(logits / T_n), T_n = t_min + (t_max - t_min) n / N, streamed
-       over the vocabulary (`sampling.vocab`, `SamplerConfig.vocab_chunk_size`); the acceptance rule
-       (default: the entropy bound, at least one per step) picks positions, which draw their token from
-       that distribution (one uniform each, inverse CDF), and the noise process re-noises the others;
-       the row is done when the stopping rule fires (default: argmax canvas unchanged and mean entropy
-       below the confidence threshold) or nothing is left to change; done rows stop changing, stop
-       counting passes, and their tokens skip the experts;
+       top probability and argmax of softmax(logits / T_n), T_n = schedule(n, N), streamed over the
+       vocabulary (`sampling.vocab`, `SamplerConfig.vocab_chunk_size`); the acceptance rule picks
+       positions, which draw their token from that distribution (one uniform each, inverse CDF), and the
+       noise process re-noises the others; the row is done when the stopping rule fires or nothing is
+       left to change; done rows stop changing, stop counting passes, and their tokens skip the experts;
     3. commit the argmax canvas; pad everything after the first stop token; a row with a stop token is
        finished and its later canvases are pad;
     4. encode the committed canvas into the KV cache and go on to the next canvas.
 
-  The noise process is the one the model was trained with (`build.sampler(config)` passes
-  `config.diffusion`'s; default `UniformNoise`, the released model's). Acceptance and stopping rules come
-  from `config` (`build.ACCEPTANCE_RULES`, `build.STOPPING_RULES`) unless rule objects are given.
-
   The whole of it is one `jax.jit` program (a `lax.while_loop` over canvases around a `lax.while_loop`
   over steps), compiled once per (sampler, batch size, prompt-length bucket, number of canvases, cache
-  capacity): the sampler is a static argument, hashed by its frozen model, config and rules, so equal
-  samplers share programs, and nothing returns to the host between steps. Randomness is per row (one key
-  per row, folded with the canvas and step indices), so a row's output does not depend on the other rows
-  of its batch.
+  capacity, streaming or not): the sampler is a static argument, hashed by its components, so equal
+  samplers share programs, and nothing returns to the host between steps (but the optional per-pass
+  stream). Randomness is per row (one key per row, folded with the canvas and step indices), so a row's
+  output does not depend on the other rows of its batch.
   """
 
-  def __init__(self, model: nn.Module, config: SamplerConfig | None = None, *,
-               noise: noise_lib.NoiseProcess | None = None, acceptance=None, stopping=None):
-    self.model = model
-    self.config = config = config or SamplerConfig()
-    mc = model.config
+  model: nn.Module
+  config: SamplerConfig = SamplerConfig()
+  noise: noise_lib.NoiseProcess | None = None
+  acceptance: acceptance_lib.AcceptanceRule | None = None
+  stopping: stopping_lib.StoppingRule | None = None
+  schedule: schedules_lib.Schedule | None = None
+  stop_tokens: tuple[int, ...] = dataclasses.field(init=False, compare=False, repr=False)
+  head: vocab.VocabHead = dataclasses.field(init=False, compare=False, repr=False)
+  derived: frozenset[str] = dataclasses.field(init=False, compare=False, repr=False)  # made from config
+
+  def __post_init__(self):
+    config, mc = self.config, self.model.config
+    if not isinstance(config, SamplerConfig):
+      raise ValueError(f"Sampler config must be a SamplerConfig, got {type(config).__name__}.")
     if config.canvas_length is not None and config.canvas_length != mc.canvas_length:
       raise ValueError(f"SamplerConfig.canvas_length={config.canvas_length} differs from the model's "
                        f"canvas_length={mc.canvas_length}; use None or {mc.canvas_length}.")
     try:
-      self.stop_tokens = prompts_lib.check_stop_tokens(config.stop_tokens, mc)
+      stop_tokens = prompts_lib.check_stop_tokens(config.stop_tokens, mc)
     except ValueError as error:
       raise ValueError(f"SamplerConfig.{error}") from None
-    noise = noise if noise is not None else noise_lib.UniformNoise(mc.vocab_size)
-    if noise.vocab_size != mc.vocab_size:
-      raise ValueError(f"The {noise.name} noise draws from {noise.vocab_size} tokens but the model has "
-                       f"vocab_size={mc.vocab_size}.")
-    self.rules = steps.Rules(
-        max_denoising_steps=config.max_denoising_steps, t_max=config.t_max, t_min=config.t_min, noise=noise,
-        acceptance=acceptance if acceptance is not None else build.acceptance_rule(config),
-        stopping=stopping if stopping is not None else build.stopping_rule(config))
-    self.head = vocab.VocabHead.for_model(mc, noise.never_token, config.vocab_chunk_size)
+    set_ = lambda name, value: object.__setattr__(self, name, value)
+    set_("derived", frozenset(n for n in ("noise", "acceptance", "stopping", "schedule") if getattr(self, n) is None))
+    if self.noise is None:
+      set_("noise", noise_lib.for_model(mc))
+    if self.noise.vocab_size != mc.vocab_size:
+      raise ValueError(f"The {self.noise.name} noise draws from {self.noise.vocab_size} tokens but the model "
+                       f"has vocab_size={mc.vocab_size}.")
+    if self.acceptance is None:
+      set_("acceptance", acceptance_lib.EntropyBound(config.entropy_bound))
+    if self.stopping is None:
+      set_("stopping", stopping_lib.stable_and_confident(config.stability_threshold,
+                                                         config.confidence_threshold))
+    if self.schedule is None:
+      set_("schedule", schedules_lib.Linear(config.t_max, config.t_min))
+    set_("stop_tokens", stop_tokens)
+    set_("head", vocab.VocabHead.for_model(mc, self.noise.never_token, config.vocab_chunk_size,
+                                           margin=getattr(self.acceptance, "needs_margin", False)))
 
   @property
-  def noise(self) -> noise_lib.NoiseProcess:
-    return self.rules.noise
-
-  def _key(self):
-    return (self.model, self.config, self.rules)
+  def rules(self) -> steps.Rules:
+    return steps.Rules(max_denoising_steps=self.config.max_denoising_steps, schedule=self.schedule,
+                       noise=self.noise, acceptance=self.acceptance, stopping=self.stopping)
 
   @property
   def canvas_length(self) -> int:
     return self.model.config.canvas_length
 
+  def replace(self, **changes) -> "Sampler":
+    """This sampler with `changes`; components that came from the config (or the model) are made again
+    from the new ones unless given. (`dataclasses.replace` keeps every component as it is.)"""
+    for name in self.derived:
+      changes.setdefault(name, None)
+    return dataclasses.replace(self, **changes)
+
   def settings(self) -> dict:
     """Every setting this sampler runs with, as JSON values (for result files)."""
     return {**dataclasses.asdict(self.config), "stop_tokens": list(self.stop_tokens),
             "noise": self.noise.name, "never_token": self.noise.never_token,
-            "acceptance_rule": repr(self.rules.acceptance), "stopping_rule": repr(self.rules.stopping),
-            "dtype": self.model.config.dtype}
+            "acceptance_rule": repr(self.acceptance), "stopping_rule": repr(self.stopping),
+            "schedule": repr(self.schedule), "vocab_chunk_size": self.head.chunk_size,
+            "dtype": self.model.config.dtype, "moe_impl": self.model.config.moe_impl}
 
   # ---------------------------------------------------------------------------------------- inputs
   def _initial_canvas(self, initial_canvas, batch_size: int, num_canvases: int,
@@ -184,7 +266,8 @@ class Sampler(prompts_lib.StaticArgument):
   # ---------------------------------------------------------------------------------------- generate
   def generate(self, params, prompt_tokens, rng, max_new_tokens: int = 256, prompt_lengths=None,
                initial_canvas=None, *, cache: KVCache | None = None, return_cache: bool = False,
-               return_trace: bool = False, images=None, given=None, constraint=None) -> SampleOutput:
+               return_trace: bool = False, images=None, given=None, constraint=None,
+               on_pass: Callable[[PassEvent], None] | None = None) -> SampleOutput:
     """Generates ceil(max_new_tokens / C) canvases after each prompt.
 
     prompt_tokens [B, L] (right-padded when `prompt_lengths` [B] is given, or a list of token lists);
@@ -204,6 +287,10 @@ class Sampler(prompts_lib.StaticArgument):
     the end of the text, or a constraint, to keep it whole.
     constraint: a `sampling.constrained.Constraint` built for this sampler: every output then matches it
     (see that module; a program is compiled per constraint object). Checked before anything compiles.
+    on_pass: called on the host after every denoiser pass with a `PassEvent` (the canvas as it denoises:
+    argmax, canvas, accepted and fixed positions, per row), from inside the running program, so it is
+    live; it cannot change the result, and it runs before `generate` returns. Any callable works with
+    one compiled program (the program streams to whichever listener its call registered).
     """
     num_canvases = math.ceil(prompts_lib.check_max_new_tokens(max_new_tokens) / self.canvas_length)
     cached = 0 if cache is None else int(jnp.max(cache.length))
@@ -226,10 +313,20 @@ class Sampler(prompts_lib.StaticArgument):
     if cache is not None:  # the last canvas is never encoded
       cache = self._fit_cache(cache, b, prompt.shape[1] + (num_canvases - 1) * self.canvas_length)
     images = prompts_lib.check_images(self.model.config, images, prompt, lengths)
-    return _program(self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
-                    prompts_lib.row_keys(rng, b), cache, images, None if held is None else jnp.asarray(held),
-                    tables, num_canvases=num_canvases, return_trace=return_trace, return_cache=return_cache,
-                    constraint=constraint)
+    if on_pass is not None and not callable(on_pass):
+      raise ValueError(f"on_pass must be a callable taking a PassEvent, got {type(on_pass).__name__}.")
+    run = functools.partial(
+        _program, self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
+        prompts_lib.row_keys(rng, b), cache, images, None if held is None else jnp.asarray(held), tables,
+        num_canvases=num_canvases, return_trace=return_trace, return_cache=return_cache,
+        constraint=constraint, stream=on_pass is not None)
+    if on_pass is None:
+      return run(jnp.zeros((), jnp.int32))
+    with _LISTENERS.registered(on_pass) as key:
+      out = run(jnp.asarray(key, jnp.int32))
+      jax.block_until_ready(out)
+      jax.effects_barrier()  # every pass has reached the listener before it is removed
+    return out
 
   def start_canvas(self, keys: Array, canvas_index) -> tuple[Array, Array]:
     """(first canvas [B, C], step keys [B]) of canvas `canvas_index`, from the row keys."""
@@ -256,11 +353,12 @@ class Sampler(prompts_lib.StaticArgument):
 
 
 @functools.partial(jax.jit, static_argnames=("sampler", "num_canvases", "return_trace", "return_cache",
-                                             "constraint"))
+                                             "constraint", "stream"))
 def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, images, given,
-             tables, *, num_canvases: int, return_trace: bool, return_cache: bool,
-             constraint) -> SampleOutput:
-  """given [B, K * C] bool or None; tables: the constraint's `AutomatonTables` or None (`constraint` None)."""
+             tables, listener, *, num_canvases: int, return_trace: bool, return_cache: bool, constraint,
+             stream: bool) -> SampleOutput:
+  """given [B, K * C] bool or None; tables: the constraint's `AutomatonTables` or None (`constraint` None);
+  listener: the id of the host listener every pass is sent to (`stream`)."""
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
   stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
@@ -282,7 +380,12 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     if constraint is not None:
       denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint.for_canvas(
           tables, loop.automaton_state, (num_canvases - 1 - k) * c))
-    state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace)
+    emit = None
+    if stream:
+      emit = lambda before, after: jax.debug.callback(
+          _LISTENERS.emit, listener, k, before.step, after.argmax, after.canvas, after.accepted, after.fixed,
+          ~before.done, after.done, ordered=True)
+    state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace, emit)
     committed = state.argmax  # [B, C]
     is_stop = jnp.isin(committed, stop_tokens)
     seen = jnp.cumsum(is_stop, axis=-1)
@@ -315,3 +418,10 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   return SampleOutput(tokens=loop.tokens, num_denoiser_passes=passes,
                       tokens_per_forward=valid / jnp.maximum(passes, 1), canvas_passes=loop.canvas_passes,
                       trace=loop.trace, cache=loop.cache if return_cache else None)
+
+
+def compiled_programs() -> int:
+  """How many sampler programs this process has compiled (to tell a call that compiled from one that did
+  not)."""
+  size = getattr(_program, "_cache_size", None)
+  return size() if size is not None else 0

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from diffusiongemma.diffusion import acceptance as acceptance_lib
 from diffusiongemma.diffusion import noise as noise_lib
+from diffusiongemma.diffusion import schedules as schedules_lib
 from diffusiongemma.diffusion import stopping as stopping_lib
 from diffusiongemma.sampling import vocab
 
@@ -32,14 +33,11 @@ Array = jax.Array
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-  """Everything a denoising step needs besides the model and its randomness (hashable: static).
-
-  Schedule: at step n of N remaining (N .. 1) the logits are divided by T = t_min + (t_max - t_min) n / N.
-  """
+  """Everything a denoising step needs besides the model and its randomness (hashable: static). At step n
+  of N remaining (N .. 1) the logits are divided by `schedule(n, N)`."""
 
   max_denoising_steps: int
-  t_max: float
-  t_min: float
+  schedule: schedules_lib.Schedule
   noise: noise_lib.NoiseProcess
   acceptance: acceptance_lib.AcceptanceRule
   stopping: stopping_lib.StoppingRule
@@ -51,14 +49,12 @@ class Denoiser:
   [B, C, D], its row mask [B], rows that are done [B]) -> final hidden states [B, C, D]` (those of rows
   that are done are not used; the model may skip work on them), and the vocabulary head with its table
   (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it).
-  `on_pass(stats, has_self_conditioning [B])`, if given, is called in the program after each pass (e.g. a
-  `jax.debug.callback` showing live drafts); it cannot change the step. `constraint`, if given, takes over
-  the vocabulary end of the step (`sample_step`, same signature as `plain_sample_step`)."""
+  `constraint`, if given, takes over the vocabulary end of the step (`sample_step`, same signature as
+  `plain_sample_step`)."""
 
   hidden: Callable[[Array, Array, Array, Array], Array]
   head: vocab.VocabHead
   table: Array
-  on_pass: Callable[[acceptance_lib.TokenStats, Array], None] | None = None
   constraint: Any = None  # e.g. `sampling.constrained.CanvasConstraint`, whose `sample_step` is used
 
 
@@ -92,9 +88,8 @@ class StepTrace:
 
 
 def temperature(rules: Rules, remaining: Array) -> Array:
-  """T = t_min + (t_max - t_min) * n / N at `remaining` steps n (N .. 1), in float32."""
-  ratio = jnp.asarray(remaining, jnp.float32) / jnp.float32(rules.max_denoising_steps)
-  return jnp.float32(rules.t_min) + jnp.float32(rules.t_max - rules.t_min) * ratio
+  """The schedule's temperature at `remaining` steps n (N .. 1), in float32."""
+  return rules.schedule(remaining, rules.max_denoising_steps)
 
 
 def token_stats(scaled_logits: Array, keys: Array) -> acceptance_lib.TokenStats:
@@ -143,8 +138,6 @@ def plain_sample_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, hid
   positions only, re-noising, and the argmax canvas (fixed positions keep their token)."""
   head = denoiser.head(denoiser.table, hidden, temp, uniforms)
   stats = head.stats
-  if denoiser.on_pass is not None:
-    denoiser.on_pass(stats, state.has_sc)
   committed = stats.argmax  # [B, C]
   accepted = rules.acceptance(stats, ~state.fixed)
   sample = denoiser.head.draw(denoiser.table, hidden, head, accepted & ~state.done[:, None], uniforms, temp)
@@ -206,17 +199,26 @@ def should_continue(rules: Rules, state: DenoiseState) -> Array:
 
 
 def denoise_canvas(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array,
-                   return_trace: bool = False) -> tuple[DenoiseState, StepTrace | None]:
-  """Steps until every row is done or the step cap is reached, in one `lax.while_loop`."""
+                   return_trace: bool = False,
+                   emit: Callable[[DenoiseState, DenoiseState], None] | None = None
+                   ) -> tuple[DenoiseState, StepTrace | None]:
+  """Steps until every row is done or the step cap is reached, in one `lax.while_loop`. `emit(before,
+  after)`, if given, is called in the program after every step (e.g. a host callback streaming the
+  canvas); it cannot change the step."""
+
+  def step(s):
+    after = denoise_step(rules, denoiser, s, keys)
+    if emit is not None:
+      emit(s, after)
+    return after
+
   if not return_trace:
-    state = jax.lax.while_loop(lambda s: should_continue(rules, s),
-                               lambda s: denoise_step(rules, denoiser, s, keys), state)
-    return state, None
+    return jax.lax.while_loop(lambda s: should_continue(rules, s), step, state), None
 
   def body(carry):
     s, t = carry
     i = s.step
-    s = denoise_step(rules, denoiser, s, keys)
+    s = step(s)
     t = StepTrace(t.argmax.at[i].set(s.argmax), t.canvas.at[i].set(s.canvas),
                   t.accepted.at[i].set(s.accepted))
     return s, t

@@ -4,8 +4,9 @@ of the tempered distribution softmax(logits / T), without a [B, C, V] array.
 `VocabHead.stats(table, hidden, temperature, uniforms)` runs the tied LM head over the vocabulary in
 chunks of U tokens (`chunk_size`; None: one chunk) and, chunk by chunk, the final softcap, the token that
 must never be sampled, the temperature and an online log-sum-exp: per position it keeps the running max m,
-the mass s = sum exp(l - m), the spread sum exp(l - m) (l - m), the argmax and the embedding rows weighted by
-exp(l - m). From those: entropy log s - spread / s, top probability 1 / s, and the soft embedding
+the mass s = sum exp(l - m), the spread sum exp(l - m) (l - m), the argmax, the embedding rows weighted by
+exp(l - m) and, if asked (`margin`), the runner-up logit r. From those: entropy log s - spread / s, top
+probability 1 / s, the margin (1 - exp(r - m)) / s, and the soft embedding
 softmax(l) @ E * sqrt(D) in the parameter dtype (`layers.soft_embedding`), which the next step feeds back
 as self-conditioning instead of logits. With one chunk the same operations run on the whole vocabulary,
 which is what `token_stats` does on given logits (the unchunked path, equal to it exactly); more chunks
@@ -54,29 +55,38 @@ class _Running:
   spread: Array  # float32: sum exp(l - max) (l - max)
   argmax: Array  # int32, the first of equal maxima
   rows: Array | None  # float32 [B, C, D]: sum exp(l - max) E_l (None: not asked for)
+  second: Array | None = None  # float32: the largest logit but the argmax's (None: not asked for)
 
   def merge(self, other: "_Running") -> "_Running":
     """Both chunks' statistics; `other` comes later in the vocabulary (ties keep the earlier argmax)."""
     top = jnp.maximum(self.max, other.max)
     a, b = jnp.exp(self.max - top), jnp.exp(other.max - top)
-    rows = None
+    rows = second = None
     if self.rows is not None:
       rows = a[..., None] * self.rows + b[..., None] * other.rows
+    if self.second is not None:  # the runner-up is the losing chunk's max or either chunk's own runner-up
+      second = jnp.maximum(jnp.minimum(self.max, other.max), jnp.maximum(self.second, other.second))
     return _Running(max=top, mass=a * self.mass + b * other.mass,
                     spread=(a * (self.spread + (self.max - top) * self.mass)
                             + b * (other.spread + (other.max - top) * other.mass)),
-                    argmax=jnp.where(other.max > self.max, other.argmax, self.argmax), rows=rows)
+                    argmax=jnp.where(other.max > self.max, other.argmax, self.argmax), rows=rows,
+                    second=second)
 
 
-def _chunk_running(scaled: Array, first: Array | int, table: Array | None) -> _Running:
+def _chunk_running(scaled: Array, first: Array | int, table: Array | None, margin: bool = False) -> _Running:
   """Statistics of one chunk of scaled logits [B, C, U] whose first token id is `first`; with its table
-  rows [U, D], the weighted rows too."""
+  rows [U, D], the weighted rows too; with `margin`, the runner-up logit."""
   top = jnp.max(scaled, axis=-1)
   shifted = scaled - top[..., None]
   weights = jnp.exp(shifted)  # [B, C, U]
+  argmax = _first_max(scaled, top)
+  second = None
+  if margin:
+    ids = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+    second = jnp.max(jnp.where(ids == argmax[..., None], -jnp.inf, scaled), axis=-1)
   return _Running(max=top, mass=jnp.sum(weights, axis=-1), spread=jnp.sum(weights * shifted, axis=-1),
-                  argmax=_first_max(scaled, top) + first,
-                  rows=None if table is None else layers.weighted_rows(weights, table))
+                  argmax=argmax + first, rows=None if table is None else layers.weighted_rows(weights, table),
+                  second=second)
 
 
 def _first_max(x: Array, top: Array) -> Array:
@@ -128,9 +138,12 @@ class HeadOutput:
 
 def _finish(running: _Running, uniforms: Array, scale: Array | None) -> HeadOutput:
   confidence = 1.0 / running.mass
+  margin = None
+  if running.second is not None:  # p(top) - p(runner-up) = (1 - exp(second - max)) / mass
+    margin = (1.0 - jnp.exp(running.second - running.max)) / running.mass
   stats = acceptance_lib.TokenStats(
       entropy=jnp.log(running.mass) - running.spread / running.mass, confidence=confidence,
-      argmax=running.argmax, sample=jnp.where(uniforms < confidence, running.argmax, -1))
+      argmax=running.argmax, sample=jnp.where(uniforms < confidence, running.argmax, -1), margin=margin)
   soft = None if running.rows is None else layers.soft_embedding(running.rows, running.mass, scale)
   return HeadOutput(stats=stats, soft_embedding=soft, log_normalizer=running.max + jnp.log(running.mass))
 
@@ -148,8 +161,8 @@ def complete_draw(scaled_logits: Array, out: HeadOutput, uniforms: Array) -> Arr
 
 def token_stats(scaled_logits: Array, uniforms: Array) -> acceptance_lib.TokenStats:
   """Statistics and the draw (one uniform per position, [B, C]) of softmax(scaled_logits) [B, C, V] given
-  whole: the unchunked path."""
-  out = _finish(_chunk_running(scaled_logits.astype(jnp.float32), 0, None), uniforms, None)
+  whole: the unchunked path (with the margin)."""
+  out = _finish(_chunk_running(scaled_logits.astype(jnp.float32), 0, None, margin=True), uniforms, None)
   return out.stats.replace(sample=complete_draw(scaled_logits, out, uniforms))
 
 
@@ -169,6 +182,7 @@ class VocabHead:
   never_token: int | None = None  # removed from the distribution (masked noise: the mask token)
   chunk_size: int | None = None  # tokens per chunk; None: the whole vocabulary at once
   draw_slots: int = 4  # positions per row whose draw one pass of `draw` recomputes
+  margin: bool = False  # also the top-1 minus top-2 probability (`TokenStats.margin`), for rules that use it
 
   def __post_init__(self):
     size = self.chunk_size
@@ -179,10 +193,10 @@ class VocabHead:
       raise ValueError(f"draw_slots={self.draw_slots!r} is invalid: a positive integer.")
 
   @classmethod
-  def for_model(cls, config: ModelConfig, never_token: int | None = None,
-                chunk_size: int | None = None) -> "VocabHead":
+  def for_model(cls, config: ModelConfig, never_token: int | None = None, chunk_size: int | None = None,
+                margin: bool = False) -> "VocabHead":
     return cls(vocab_size=config.vocab_size, softcap=config.final_logit_softcap, dtype=config.dtype,
-               never_token=never_token, chunk_size=chunk_size)
+               never_token=never_token, chunk_size=chunk_size, margin=margin)
 
   @property
   def num_chunks(self) -> int:
@@ -234,8 +248,8 @@ class VocabHead:
     [B, C] in [0, 1). `stats.sample` is -1 where `draw` must finish the draw.
     """
     fold = self._fold(table, hidden, temperature, restrict)
-    running = fold(lambda first, rows, scaled: _chunk_running(scaled, first, rows),
-                   lambda running, first, rows, scaled: running.merge(_chunk_running(scaled, first, rows)))
+    chunk = lambda first, rows, scaled: _chunk_running(scaled, first, rows, self.margin)
+    running = fold(chunk, lambda running, first, rows, scaled: running.merge(chunk(first, rows, scaled)))
     return _finish(running, uniforms, layers.embed_scale(table.shape[-1], table.dtype))
 
   def draw(self, table: Array, hidden: Array, out: HeadOutput, need: Array, uniforms: Array,

@@ -22,7 +22,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from diffusiongemma.build import config as config_base
+from diffusiongemma import convert
+from diffusiongemma import parallel
+from diffusiongemma.model import transformer
 
 CHECKPOINT_DIRNAME = "checkpoints"
 CONFIG_FILENAME = "config.json"
@@ -37,17 +39,12 @@ class ConfigMismatchError(ValueError):
   """The config differs from the one that wrote the checkpoint in the workdir."""
 
 
-def config_to_json(config) -> dict[str, Any]:
-  """A ConfigDict (or mapping) as plain JSON values (tuples become lists)."""
-  if hasattr(config, "to_json"):
-    return json.loads(config.to_json())
-  return json.loads(json.dumps(dict(config)))
-
-
-def config_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-  """'section.field: checkpoint X, config Y' for every field that must match and does not."""
+def config_mismatches(saved: Mapping[str, Any], current: Mapping[str, Any],
+                      defaults: Mapping[str, Any] | None = None) -> list[str]:
+  """'section.field: checkpoint X, config Y' for every field that must match and does not; a field one
+  side lacks reads as its value in `defaults` (the base config's JSON)."""
   out = []
-  defaults = config_to_json(config_base.base_config())
+  defaults = defaults or {}
   for section in CHECKED_SECTIONS:
     a, b = dict(saved.get(section, {})), dict(current.get(section, {}))
     for key in sorted(set(a) | set(b)):
@@ -95,13 +92,14 @@ class Checkpointer:
         meta=ocp.args.JsonRestore()))
     return restored["state"], restored["data"], restored["meta"]
 
-  def check_config(self, current: Mapping[str, Any]) -> int | None:
-    """The latest step, after checking that its config agrees with `current` (JSON form)."""
+  def check_config(self, current: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> int | None:
+    """The latest step, after checking that its config agrees with `current` (JSON form; `defaults`: what
+    a field one side lacks reads as)."""
     step = self.latest_step()
     if step is None:
       return None
     saved = self.restore_meta(step)["config"]
-    problems = config_mismatches(saved, current)
+    problems = config_mismatches(saved, current, defaults)
     if problems:
       raise ConfigMismatchError(
           f"The checkpoint at step {step} in {self.directory} was written by another config; "
@@ -114,13 +112,6 @@ class Checkpointer:
 
   def close(self) -> None:
     self.manager.close()
-
-
-def abstract_with_sharding(tree, sharding):
-  """`tree` as ShapeDtypeStructs placed by `sharding`: one sharding for every leaf, or a matching tree."""
-  if isinstance(sharding, jax.sharding.Sharding):
-    sharding = jax.tree.map(lambda _: sharding, tree)
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding)
 
 
 def saved_steps(workdir: os.PathLike | str) -> list[int]:
@@ -159,7 +150,7 @@ def load_params(workdir: os.PathLike | str, *, step: int | None = None, sharding
   if isinstance(shardings, Mapping) and "params" not in shardings and "params" in saved:
     shardings = {"params": shardings}
   try:
-    target = abstract_with_sharding(saved, shardings)
+    target = parallel.abstract_with_sharding(saved, shardings)
   except ValueError as e:
     raise ValueError(f"The shardings do not match the parameters saved at step {step} in "
                      f"{str(directory)!r}: {e}") from e
@@ -183,8 +174,6 @@ def load_weights(source: os.PathLike | str, *, shardings=None, expected=None) ->
     _check_fits(saved, expected, source)
     return load_params(path, shardings=shardings)[0]
   if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-    from diffusiongemma import convert  # pylint: disable=g-import-not-at-top
-    from diffusiongemma.model import transformer  # pylint: disable=g-import-not-at-top
     cfg = convert.config_from_hf(json.loads((path / "config.json").read_text()))
     _check_fits({"params": transformer.abstract_params(cfg)}, expected, source)
     _, params = convert.load_hf(path, shardings=None if shardings is None else shardings["params"])

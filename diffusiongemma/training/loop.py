@@ -1,8 +1,8 @@
-"""`train(config, workdir)` and `evaluate(config, workdir)`: the library behind scripts/train.py and
-scripts/evaluate.py.
+"""`train(task, workdir)` and `evaluate(task, workdir)`: the library behind scripts/train.py and
+scripts/evaluate.py (a `Task` is built from a config by `build.train_task`).
 
-Training resumes from the latest checkpoint in `workdir/checkpoints` (after checking the config
-against the one that wrote it), restoring the parameters, optimizer state, step, rng, the data
+Training resumes from the latest checkpoint in `workdir/checkpoints` (after checking the task's
+description against the config that wrote it), restoring the parameters, optimizer state, step, rng, the data
 iterator's position and the partial window of logged metrics, and dropping metric records of steps
 after that checkpoint. The randomness of step s is `fold_in(rng, s)` and the data of step s is the
 s-th batch of the seeded pipeline, so an interrupted run ends bit-identical to an uninterrupted one.
@@ -11,7 +11,7 @@ SIGTERM (preemption) saves a checkpoint after the current step and returns clean
 Order of work per step: one batch, one jitted update, the NaN/Inf guard, then (at their intervals)
 the log line, evaluation and the checkpoint; metrics are flushed before a checkpoint is written.
 
-The state lives on the (data, fsdp, expert, tensor) mesh of `config.mesh`: parameters and optimizer
+The state lives on the (data, fsdp, expert, tensor) mesh of `task.mesh`: parameters and optimizer
 moments sharded by the logical rules, batches split over the batch axes. With several processes
 (`parallel.initialize_distributed`) every process runs this same loop on its rows of each batch;
 checkpoints are written by all of them together, the config and metrics by process 0 alone.
@@ -33,18 +33,20 @@ from absl import logging
 import jax
 import optax
 
+import numpy as np
+
 from diffusiongemma import _files
 from diffusiongemma import parallel
-from diffusiongemma.evaluation import validation
 from diffusiongemma.model import DiffusionGemma
 from diffusiongemma.training import checkpoint as ckpt_lib
-from diffusiongemma.training import inputs
 from diffusiongemma.training import lora as lora_lib
 from diffusiongemma.training import metrics as metrics_lib
 from diffusiongemma.training import optim
 from diffusiongemma.training import state as state_lib
 from diffusiongemma.training import step as step_lib
+from diffusiongemma.training import validation
 from diffusiongemma.training.state import TrainState
+from diffusiongemma.training.task import Task
 
 
 class _Preemption:
@@ -91,16 +93,15 @@ class _Programs:
 
 
 @functools.lru_cache(maxsize=4)
-def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh, rules, lora_cfg) -> _Programs:
+def _programs(model_cfg, loss_cfg, optimizer_settings, num_canvases, seed, mesh, rules, lora_cfg) -> _Programs:
   """Model, optimizer, abstract state, shardings and the jitted steps, cached so that a process calling
   `train` or `evaluate` again with the same configs (resuming, notebooks, tests) compiles once.
 
   With `lora_cfg` what is trained is a state of LoRA adapters (replicated: they are small) on a frozen base
   placed by the model's parameter shardings; evaluation runs on the merged model."""
   model = DiffusionGemma(model_cfg)
-  train = dict(optimizer_items)
-  optimizer = optim.make_optimizer(train)
-  schedule = optim.learning_rate_schedule(train)
+  optimizer = optim.make_optimizer(optimizer_settings)
+  schedule = optim.learning_rate_schedule(optimizer_settings)
   batch_sharding = parallel.batch_sharding(mesh, ndim=1)
   full_abstract = state_lib.abstract_train_state(model, optimizer, seed=seed)
   full_shardings = state_lib.state_shardings(model, optimizer, mesh, seed=seed, rules=rules)
@@ -128,21 +129,23 @@ def _programs(model_cfg, loss_cfg, optimizer_items, num_canvases, seed, mesh, ru
 
 
 class _Setup:
-  """What both train and evaluate build from a config: validated configs, model, data, shardings, and
-  the weights fine-tuning starts from (`config.train.init_from`)."""
+  """What both train and evaluate need of a task: the mesh, the jitted programs, and the weights
+  fine-tuning starts from (`task.init_from`)."""
 
-  def __init__(self, config, workdir):
-    self.workdir = inputs.workdir_path(workdir)
-    self.config_json = ckpt_lib.config_to_json(config)
-    self.model_cfg, self.loss_cfg = inputs.validate(config)
-    self.lora_cfg = lora_config(config)
-    self.num_canvases = config.data.num_canvases
-    self.mesh = parallel.make_mesh(config.mesh)
+  def __init__(self, task: Task, workdir):
+    if not isinstance(task, Task):
+      raise TypeError(f"train/evaluate take a training.Task (build.train_task(config, workdir)), got "
+                      f"{type(task).__name__}.")
+    self.task = task
+    self.workdir = workdir_path(workdir)
+    self.config_json = dict(task.description)
+    self.model_cfg, self.loss_cfg, self.lora_cfg = task.model_config, task.loss, task.lora
+    self.num_canvases = task.num_canvases
+    self.mesh = parallel.make_mesh(task.mesh)
     self.batch_sharding = parallel.batch_sharding(self.mesh, ndim=1)
-    optimizer_items = tuple((k, config.train[k]) for k in optim.OPTIMIZER_FIELDS)
-    self.programs = _programs(self.model_cfg, self.loss_cfg, optimizer_items, self.num_canvases,
-                              config.train.seed, self.mesh, parallel.logical_rules(config.mesh), self.lora_cfg)
-    self.init_from = config.train.get("init_from", "")
+    self.programs = _programs(self.model_cfg, self.loss_cfg, task.optimizer, self.num_canvases,
+                              task.loop.seed, self.mesh, parallel.logical_rules(task.mesh), self.lora_cfg)
+    self.init_from = task.init_from
     self._base = None
 
   @property
@@ -171,47 +174,47 @@ class _Setup:
 
   def restore(self, checkpointer: ckpt_lib.Checkpointer, step: int):
     """The state of `step`, restored straight into its shardings (each process reads its shards)."""
-    abstract = ckpt_lib.abstract_with_sharding(self.programs.abstract_state.to_dict(),
+    abstract = parallel.abstract_with_sharding(self.programs.abstract_state.to_dict(),
                                                self.programs.state_shardings.to_dict())
     state, data_state, meta = checkpointer.restore(step, abstract)
     return TrainState(**state), data_state, meta
 
-  def evaluate(self, config, params, val_dataset) -> dict:
+  def evaluate(self, params, val_dataset, num_batches: int) -> dict:
     return validation.evaluate_params(
         self.programs.eval_step, self.model_variables(params), iter(val_dataset),
-        num_batches=config.train.eval_batches, elbo=self.loss_cfg.noise.loss_is_elbo,
-        to_global=lambda b: inputs.to_global(b, self.batch_sharding))
+        num_batches=num_batches, elbo=self.loss_cfg.noise.loss_is_elbo,
+        to_global=lambda b: to_global(b, self.batch_sharding))
 
 
-def lora_config(config) -> lora_lib.LoraConfig | None:
-  """`config.train`'s LoRA settings (None: full training), checked against `init_from`."""
-  rank = config.train.get("lora_rank", 0)
-  if not rank:
-    return None
-  if not config.train.get("init_from", ""):
-    raise ValueError(f"config.train.lora_rank={rank} trains adapters on frozen weights: set "
-                     "config.train.init_from to a training workdir or a transformers checkpoint folder.")
-  return lora_lib.LoraConfig(rank=rank, alpha=config.train.get("lora_alpha", 16.0))
+def to_global(batch, sharding: jax.sharding.NamedSharding):
+  """A process-local numpy batch (this process's rows) as global jax arrays in `sharding`."""
+  return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def train(config, workdir) -> TrainState:
-  """Trains (or resumes training) for `config.train.num_steps` steps; returns the final state.
+def workdir_path(workdir) -> pathlib.Path:
+  path = pathlib.Path(workdir)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"--workdir {str(path)!r} exists and is not a directory.")
+  return path
 
-  Returns early, after saving, on SIGTERM or when `config.train.time_budget_s` is spent. Raises
+
+def train(task: Task, workdir) -> TrainState:
+  """Trains (or resumes training) for `task.loop.num_steps` steps; returns the final state.
+
+  Returns early, after saving, on SIGTERM or when `task.loop.time_budget_s` is spent. Raises
   `NonFiniteError` (with `nan_policy='error'`) naming the step and metric of a NaN/Inf, and
   `ConfigMismatchError` if the workdir holds a checkpoint of another config.
   """
-  tc = config.train
-  setup = _Setup(config, workdir)
+  tc = task.loop
+  setup = _Setup(task, workdir)
   workdir = setup.workdir
   workdir.mkdir(parents=True, exist_ok=True)
   checkpointer = ckpt_lib.Checkpointer(workdir, max_to_keep=tc.keep_checkpoints,
                                        async_save=tc.async_checkpointing)
   try:
-    start_step = checkpointer.check_config(setup.config_json)
-    tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
-    train_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "train")
-    val_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "validation")
+    start_step = checkpointer.check_config(setup.config_json, task.description_defaults)
+    train_ds = task.datasets("train")
+    val_ds = task.datasets("validation")
     train_iter = iter(train_ds)
     accumulator = metrics_lib.MeanAccumulator()
     elapsed = {"train_s": 0.0, "cpu_s": 0.0}
@@ -233,20 +236,19 @@ def train(config, workdir) -> TrainState:
         logging.warning("config.train.num_steps is %d, the checkpoint's run had %d: the cosine learning-"
                         "rate schedule now ends at step %d.", tc.num_steps, saved_steps, tc.num_steps)
     _write_config(workdir, setup.config_json)
-    return _loop(config, setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
+    return _loop(setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
                  fresh=start_step is None)
   finally:
     checkpointer.wait()
     checkpointer.close()
 
 
-def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed, *,
+def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed, *,
           fresh: bool) -> TrainState:
-  tc = config.train
+  tc = setup.task.loop
   train_step = setup.train_step
   step = first_step = int(state.step)
-  length = config.data.prompt_length + config.data.num_canvases * setup.model_cfg.canvas_length
-  progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * length, step)
+  progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * setup.task.sequence_length, step)
   writer = metrics_lib.create_writer(setup.workdir, enabled=parallel.is_main_process())
   process_start, cpu_start = time.perf_counter(), time.process_time()
   excluded = 0.0  # seconds of evaluation, checkpointing and the first (compiling) step in this run
@@ -263,7 +265,7 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
   def run_eval():
     nonlocal excluded, excluded_cpu
     began, began_cpu = time.perf_counter(), time.process_time()
-    results = setup.evaluate(config, state.params, val_ds)
+    results = setup.evaluate(state.params, val_ds, tc.eval_batches)
     writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()} |
                          {f"time/{k}": v for k, v in timings().items()})
     logging.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
@@ -288,7 +290,7 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
       if step >= tc.num_steps and checkpointer.latest_step() != step:
         save()
       while step < tc.num_steps:
-        batch = inputs.to_global(next(train_iter), setup.batch_sharding)
+        batch = to_global(next(train_iter), setup.batch_sharding)
         state, metrics = train_step(state, batch)
         step += 1
         metrics = jax.device_get(metrics)
@@ -325,19 +327,20 @@ def _loop(config, setup: _Setup, checkpointer, state, train_iter, val_ds, accumu
   return state
 
 
-def evaluate(config, workdir, *, step: int | None = None, num_batches: int | None = None) -> dict:
-  """Evaluates the checkpoint at `step` (default: the latest) in `workdir` on the validation split.
+def evaluate(task: Task, workdir, *, step: int | None = None, num_batches: int | None = None) -> dict:
+  """Evaluates the checkpoint at `step` (default: the latest) in `workdir` on the validation split
+  (`num_batches` batches, default `task.loop.eval_batches`).
 
   Returns the metrics of `evaluate_params` plus `step`, and writes them to `workdir/eval.json` and
   as `eval/...` records to `workdir/metrics.jsonl`.
   """
-  setup = _Setup(config, workdir)
+  setup = _Setup(task, workdir)
   workdir = setup.workdir
   if not (workdir / ckpt_lib.CHECKPOINT_DIRNAME).is_dir():
     raise FileNotFoundError(f"No checkpoints in {str(workdir)!r}: train first (scripts/train.py).")
   checkpointer = ckpt_lib.Checkpointer(workdir, async_save=False)
   try:
-    latest = checkpointer.check_config(setup.config_json)
+    latest = checkpointer.check_config(setup.config_json, task.description_defaults)
     if latest is None:
       raise FileNotFoundError(f"No checkpoints in {str(checkpointer.directory)!r}: train first.")
     step = latest if step is None else step
@@ -346,13 +349,8 @@ def evaluate(config, workdir, *, step: int | None = None, num_batches: int | Non
     state, _, _ = setup.restore(checkpointer, step)
   finally:
     checkpointer.close()
-  tokenizer = inputs.get_tokenizer(config, workdir, setup.model_cfg, setup.loss_cfg.noise)
-  val_ds = inputs.make_dataset(config, workdir, tokenizer, setup.model_cfg, "validation")
-  if num_batches is not None:
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-      config.train.eval_batches = num_batches
-  results = setup.evaluate(config, state.params, val_ds)
+  val_ds = task.datasets("validation")
+  results = setup.evaluate(state.params, val_ds, task.loop.eval_batches if num_batches is None else num_batches)
   results = {"step": step, **results}
   if parallel.is_main_process():
     (workdir / "eval.json").write_text(json.dumps(results, indent=2), encoding="utf-8")

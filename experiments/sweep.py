@@ -7,7 +7,7 @@ tokens per denoiser pass (faster) at some cost in quality; the step cap bounds t
 also sets the temperature schedule's length. The released defaults (SamplerConfig's: entropy bound 0.1,
 48 steps) are always in the grid and are marked on the curve.
 
-  python scripts/sweep.py --config configs/small.py --workdir workdir/small \
+  python experiments/sweep.py --config configs/small.py --workdir workdir/small \
       --baseline_workdir workdir/small_ar --entropy_bounds 0.01,0.03,0.1,0.3,1 --max_steps 8,16,48
 
 Writes `<workdir>/sweep.json` ({"settings": [...], one record of `GenerativeEval.run` per setting,
@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma import training
-from diffusiongemma.evaluation import generative
+from diffusiongemma import build
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
                                           lock_config=True)
@@ -92,7 +92,7 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   training.quiet_orbax_logs()
   bounds, steps = _grid(_BOUNDS.value, _STEPS.value)
-  evaluation = generative.GenerativeEval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
+  evaluation = build.generative_eval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
                                       num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,
                                       seed=_SEED.value)
   settings = []

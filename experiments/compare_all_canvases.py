@@ -5,7 +5,7 @@ released objective) and once with `config.diffusion.all_canvases=True`, evaluati
 fixed validation noise, and prints validation diffusion loss against training seconds (wall and
 process CPU, evaluation and checkpointing excluded). Results go to workdir/compare.json.
 
-  python scripts/compare_all_canvases.py --config configs/tiny.py --workdir /tmp/dg_compare \
+  python experiments/compare_all_canvases.py --config configs/tiny.py --workdir /tmp/dg_compare \
       --budget_s 600 --config.train.eval_every=50
 """
 
@@ -16,6 +16,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from diffusiongemma import build
 from diffusiongemma import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
@@ -38,7 +39,7 @@ def main(argv):
     config.diffusion.all_canvases = all_canvases
     config.train.time_budget_s = _BUDGET.value
     config.train.num_steps = max(config.train.num_steps, 10**6)  # the budget ends the run
-    training.train(config, root / mode)
+    build.train(config, root / mode)
     records = training.read_metrics(root / mode)
     results[mode] = [{"step": r["step"], "train_s": r["time/train_s"], "cpu_s": r["time/cpu_s"],
                       "diffusion_loss": r["eval/diffusion_loss"], "loss": r["eval/loss"]}
