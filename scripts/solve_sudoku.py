@@ -1,37 +1,55 @@
-r"""Solves Sudoku puzzles with a model trained by configs/sudoku.py.
+r"""Solves Sudoku puzzles with a model of projects/sudoku (the shipped weights, or a training workdir).
 
-  python scripts/solve_sudoku.py --config=configs/sudoku.py --workdir=W --puzzles=IN --output=OUT \
-      [--autoregressive] [--config.sampler.entropy_bound=0.1] [--config.sampler.max_denoising_steps=48]
+  python scripts/solve_sudoku.py --config=projects/sudoku/config.py --puzzles=IN --output=OUT
+  python scripts/solve_sudoku.py --config=projects/sudoku/config.py --workdir=W --puzzles=IN --output=OUT \
+      [--config.sampler.acceptance=margin --config.sampler.margin_accept=0.9]
+  python scripts/solve_sudoku.py --config=projects/sudoku/config.py:ar --puzzles=IN --output=OUT --autoregressive
 
-IN holds one puzzle per line (81 characters, `0` or `.` for a blank); OUT gets one 81-digit line per
-puzzle, in order, also when the model fails (a cell where the model wrote no digit is `0`). Block
-diffusion by default; --autoregressive decodes the same weights token by token (greedy), which is also
-how to run the AR model of configs/sudoku.py:ar. The last printed line is the solved fraction, the mean
-forward passes per puzzle (diffusion: denoiser passes), tokens per forward and puzzles/s (compilation
-excluded; it is printed on the line before).
+IN holds one puzzle per line (81 characters, `0` or `.` for a blank); a line of another length, with other
+characters, or whose clues break a row, column or box rule is refused with an error naming it. OUT gets one
+81-digit line per puzzle, in order, also when the model fails (a cell where the model wrote no digit is `0`;
+an unsolvable puzzle is simply unsolved). Without --workdir the shipped weights are used
+(projects/sudoku/weights/: the diffusion model, or the AR model with --autoregressive). The last printed
+line is the solved fraction, the mean forward passes per puzzle (diffusion: denoiser passes), tokens per
+forward and puzzles/s (compilation excluded; it is in the JSON line before).
 """
 
 import json
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
 from diffusiongemma import build
 from diffusiongemma import training
-from diffusiongemma.data import sudoku
-from diffusiongemma.evaluation import sudoku as sudoku_eval
+from projects.sudoku import data as sudoku
+from projects.sudoku import solve
+from projects.sudoku import weights as shipped
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/sudoku.py).",
+_CONFIG = config_flags.DEFINE_config_file("config", None, "projects/sudoku/config.py (':ar' for the AR model).",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (its latest checkpoint is used).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (its latest checkpoint); default: the "
+                               "shipped weights.")
 _PUZZLES = flags.DEFINE_string("puzzles", None, "Puzzles, one per line (81 chars, 0 or . blank).")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write one 81-digit solution per puzzle.")
 _AUTOREGRESSIVE = flags.DEFINE_bool("autoregressive", False, "Decode token by token (greedy) instead.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per batch.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
-flags.mark_flags_as_required(["config", "workdir", "puzzles", "output"])
+flags.mark_flags_as_required(["config", "puzzles", "output"])
+
+
+def _weights(config, autoregressive: bool):
+  """(variables, where they came from, model config) of --workdir or of the shipped weights."""
+  if _WORKDIR.value:
+    weights = build.load(config, workdir=_WORKDIR.value)
+    return weights.variables, weights.source, weights.model_config
+  name = shipped.AUTOREGRESSIVE if autoregressive else shipped.DIFFUSION
+  saved, variables, provenance = shipped.load(name)
+  model_cfg = build.model_config(saved)
+  if build.model_config(config) != model_cfg:
+    raise app.UsageError(f"--config describes another model than the shipped {name} weights "
+                         f"({shipped.ROOT / name}); pass the config they were trained with or --workdir.")
+  return variables, f"shipped {name} weights (step {provenance['step']})", model_cfg
 
 
 def main(argv):
@@ -39,22 +57,23 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   training.quiet_orbax_logs()
   config = _CONFIG.value
-  puzzles = sudoku.read_puzzles(_PUZZLES.value)
+  try:
+    puzzles = sudoku.read_puzzles(_PUZZLES.value)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(str(e)) from None
   if not len(puzzles):
     raise app.UsageError(f"No puzzles in {_PUZZLES.value}.")
-  weights = build.load(config, workdir=_WORKDIR.value)
-  decoder = "autoregressive" if _AUTOREGRESSIVE.value else "diffusion"
-  if decoder == "diffusion" and config.diffusion.get("diffusion_loss_weight", 1.0) == 0:
-    logging.warning("This config trains an AR model (diffusion_loss_weight=0): pass --autoregressive.")
-  sampler = (build.ar_sampler(config, weights.model_config) if _AUTOREGRESSIVE.value else
-             build.sampler(config, weights.model_config))
-  result = sudoku_eval.solve(sampler, weights.variables, puzzles, batch_size=_BATCH_SIZE.value,
-                             seed=_SEED.value)
+  autoregressive = _AUTOREGRESSIVE.value
+  if not autoregressive and config.diffusion.get("diffusion_loss_weight", 1.0) == 0:
+    raise app.UsageError("This config trains an AR model (diffusion_loss_weight=0): pass --autoregressive.")
+  variables, source, model_cfg = _weights(config, autoregressive)
+  sampler = build.ar_sampler(config, model_cfg) if autoregressive else build.sampler(config, model_cfg)
+  result = solve.solve(sampler, variables, puzzles, batch_size=_BATCH_SIZE.value, seed=_SEED.value)
   sudoku.write_puzzles(_OUTPUT.value, result.solutions)
   summary = result.summary()
-  settings = sampler.settings() if decoder == "diffusion" else {"stop_tokens": list(sampler.stop_tokens)}
-  print(json.dumps({"weights": weights.source, "decoder": decoder, "sampler": settings, **summary,
-                    "by_clues": sudoku_eval.by_clues(puzzles, result)}))
+  settings = {"stop_tokens": list(sampler.stop_tokens)} if autoregressive else sampler.settings()
+  print(json.dumps({"weights": source, "decoder": "autoregressive" if autoregressive else "diffusion",
+                    "sampler": settings, **summary, "by_clues": solve.by_clues(puzzles, result)}))
   print(f"solved {summary['solve_rate']:.4f} | passes/puzzle {summary['passes_per_puzzle']:.2f} | "
         f"tokens/forward {summary['tokens_per_forward']:.2f} | puzzles/s {summary['puzzles_per_s']:.2f}")
 

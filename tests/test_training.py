@@ -87,13 +87,14 @@ def test_config_mismatches_read_a_field_an_old_checkpoint_lacks_as_its_default()
   current = dg.build.config.to_json(load_config_file("configs/tiny.py"))
   old = json.loads(json.dumps(current))
   del old["diffusion"]["diffusion_loss_weight"]  # written before the field existed
-  assert training.config_mismatches(old, current) == []
+  defaults = dg.build.config.to_json(dg.build.config.base_config())
+  assert training.config_mismatches(old, current, defaults) == []
   current["diffusion"]["diffusion_loss_weight"] = 0.0
-  assert training.config_mismatches(old, current) == [
+  assert training.config_mismatches(old, current, defaults) == [
       "diffusion.diffusion_loss_weight: checkpoint 1.0, config 0.0"]
   current["train"]["num_steps"] = 7  # operational: may change between runs
   current["train"]["learning_rate"] = 1.0
-  assert training.config_mismatches(old, current)[-1].startswith("train.learning_rate: checkpoint")
+  assert training.config_mismatches(old, current, defaults)[-1].startswith("train.learning_rate: checkpoint")
 
 
 def test_learning_rate_schedule_and_clipping():
@@ -408,7 +409,7 @@ def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
   base_state = dg.build.train(_config(corpus, **{"train.num_steps": 3}), tmp_path / "base")
   base = jax.device_get(base_state.params)
   full = _config(corpus, **{"train.num_steps": 1, "train.init_from": str(tmp_path / "base")})
-  setup = loop._Setup(full, tmp_path / "full")  # pylint: disable=protected-access
+  setup = loop._Setup(dg.build.train_task(full, tmp_path / "full"), tmp_path / "full")  # pylint: disable=protected-access
   _assert_same_params(base, jax.device_get(setup.init_state().params))  # starts from the base's weights
   tuned = dg.build.train(full, tmp_path / "full")
   assert int(tuned.step) == 1

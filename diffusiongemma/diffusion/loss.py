@@ -31,7 +31,9 @@ Supervised fine-tuning (`data.sft`) puts prompts of different lengths in one bat
 [B] is where each row's canvases start, and an optional `num_canvases` [B] (<= n) says how many of the
 n canvas slots hold the row's response; the rest of the row is padding that no loss reads. The
 diffusion loss has terms at canvas positions only: the prompt is never noised and never a target, it
-only conditions the canvas through the clean cache.
+only conditions the canvas through the clean cache. An optional `given` [B, L] marks canvas positions
+held clean (what the sampler's `given=` holds when infilling): they are never corrupted and never
+targets, and the loss is the mean over the other positions.
 
 `diffusion_loss_weight=0` trains the encoder alone, an autoregressive baseline of the same size
 (configs/small_ar.py): the denoiser passes are then skipped, not multiplied by zero, so the baseline
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +92,38 @@ def _cross_entropy(logits: Array, labels: Array) -> Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
 
 
+def _encoder_pass(model, params, tokens: Array, start: Array, rows: Array, config: LossConfig, c: int
+                  ) -> tuple[Any, Array]:
+  """(the clean cache, the AR loss): the encoder over the clean sequence, with its next-token loss; without
+  an AR term only over the tokens before the last canvas slot (all the denoiser's cache needs)."""
+  if config.ar_loss_weight == 0:
+    _, cache = model.apply(params, tokens[:, :-c], method=model.encode)
+    return cache, jnp.zeros((), jnp.float32)
+  enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
+  target = jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[None]  # [1, L-1]: position of each target
+  ar_mask = target < (start + rows * c)[:, None]  # [B, L-1]
+  if not config.ar_loss_on_prompt:
+    ar_mask &= target >= start[:, None]
+  ar_mask = ar_mask.astype(jnp.float32)
+  ar_ce = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:])  # [B, L-1]
+  return cache, (ar_ce * ar_mask).sum() / jnp.maximum(ar_mask.sum(), 1.0)
+
+
+def _denoise(model, params, canvas: Array, cache, block_length: int | None, config: LossConfig,
+             rng: Array) -> Array:
+  """Denoiser logits [B, k*C, V], with self-conditioning (pass 1 without a signal, its stopped logits
+  feeding pass 2 for a `self_conditioning_prob` share of the rows; the others get a zero signal)."""
+  def denoise(sc_logits, sc_mask):
+    return model.apply(params, canvas, cache, sc_logits, sc_mask, block_length=block_length,
+                       method=model.denoise)
+
+  if config.self_conditioning_prob > 0:
+    sc_mask = jax.random.uniform(rng, (canvas.shape[0],)) < config.self_conditioning_prob
+    first = jax.lax.stop_gradient(denoise(None, None))
+    return denoise(first, sc_mask)
+  return denoise(None, None)
+
+
 def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config: LossConfig, *,
                    num_canvases: int, canvas_index: Array | None = None) -> tuple[Array, dict]:
   """(total loss, metrics) of one batch `{'tokens': [B, L], 'prompt_length': [B]}`.
@@ -97,7 +132,9 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     model: a `DiffusionGemma`.
     params: its variables (`{'params': ...}`), boxed or not.
     batch: clean sequences; each row's canvases start at its `prompt_length`; an optional
-      `num_canvases` [B] gives each row's canvases (default n for every row).
+      `num_canvases` [B] gives each row's canvases (default n for every row); an optional `given` [B, L]
+      bool marks canvas positions held as they are (infilling, e.g. a puzzle's clues): never corrupted,
+      never a target.
     rng: all randomness of the loss (t, corruption, canvas choice, self-conditioning rows).
     config: the objective.
     num_canvases: n, canvases per row after the prompt (static).
@@ -113,63 +150,39 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     raise ValueError(f"The {noise.name} noise draws from {noise.vocab_size} tokens but the model has "
                      f"vocab_size={model.config.vocab_size}; build both from one config (build.loss).")
   k_t, k_noise, k_canvas, k_sc = jax.random.split(rng, 4)
-
-  offsets = start[:, None] + jnp.arange(n * c, dtype=jnp.int32)[None]  # [B, nC]
-  clean = jnp.take_along_axis(tokens, offsets, axis=1).reshape(b, n, c)  # [B, n, C]
-  t = noise_lib.sample_time(k_t, (b, n), config.eps)  # [B, n]
-  noisy, corrupted = noise.corrupt(k_noise, clean, t[..., None])  # [B, n, C]
-  weights = noise.loss_weights(corrupted, t[..., None])  # [B, n, C]
-
   rows = batch.get("num_canvases")
   rows = jnp.full((b,), n, jnp.int32) if rows is None else jnp.clip(rows.astype(jnp.int32), 1, n)  # [B]
-  if config.ar_loss_weight == 0:
-    # No AR loss: the cache of the tokens before the last canvas slot is all the denoiser reads.
-    _, cache = model.apply(params, tokens[:, :-c], method=model.encode)
-    ar_loss = jnp.zeros((), jnp.float32)
-  else:
-    enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
-    target = jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[None]  # [1, L-1]: position of each target
-    ar_mask = target < (start + rows * c)[:, None]  # [B, L-1]
-    if not config.ar_loss_on_prompt:
-      ar_mask &= target >= start[:, None]
-    ar_mask = ar_mask.astype(jnp.float32)
-    ar_ce = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:])  # [B, L-1]
-    ar_loss = (ar_ce * ar_mask).sum() / jnp.maximum(ar_mask.sum(), 1.0)
+  cache, ar_loss = _encoder_pass(model, params, tokens, start, rows, config, c)
   if config.diffusion_loss_weight == 0:  # the AR baseline: no denoiser pass at all
     zero = jnp.zeros((), jnp.float32)
     metrics = {"loss": config.ar_loss_weight * ar_loss, "diffusion_loss": zero, "diffusion_ce": zero,
                "ar_loss": ar_loss, "corrupted_accuracy": zero, "corrupted_fraction": zero}
     return metrics["loss"], metrics
 
-  if config.all_canvases:
-    canvas = noisy.reshape(b, n * c)
+  offsets = start[:, None] + jnp.arange(n * c, dtype=jnp.int32)[None]  # [B, nC]
+  clean = jnp.take_along_axis(tokens, offsets, axis=1).reshape(b, n, c)  # [B, n, C]
+  held = batch.get("given")
+  held = (jnp.zeros(clean.shape, bool) if held is None
+          else jnp.take_along_axis(held.astype(bool), offsets, axis=1).reshape(b, n, c))
+  t = noise_lib.sample_time(k_t, (b, n), config.eps)  # [B, n]
+  noisy, corrupted = noise.corrupt(k_noise, clean, t[..., None])  # [B, n, C]
+  noisy, corrupted = jnp.where(held, clean, noisy), corrupted & ~held
+  weights = noise.loss_weights(corrupted, t[..., None]) * ~held  # [B, n, C]
+  valid = (jnp.arange(n)[None] < rows[:, None])[..., None] & ~held  # [B, n, C]: the response's free positions
+  if config.all_canvases:  # every canvas, block-causally, in one pass
+    canvas, block_length = noisy.reshape(b, n * c), c
     cache = cache.with_length(start)
-    block_length = c
-    valid = (jnp.arange(n)[None] < rows[:, None])[..., None]  # [B, n, 1]
-  else:
+  else:  # one canvas per row, attending to the clean prompt and earlier canvases
     if canvas_index is None:
       canvas_index = jax.random.randint(k_canvas, (b,), 0, rows)
     pick = lambda x: jnp.take_along_axis(x, canvas_index[:, None, None], axis=1)  # [B, 1, C]
-    clean, noisy, corrupted, weights = map(pick, (clean, noisy, corrupted, weights))
-    valid = jnp.ones((b, 1, 1), bool)
-    canvas = noisy[:, 0]
+    clean, noisy, corrupted, weights, valid = map(pick, (clean, noisy, corrupted, weights, valid))
+    canvas, block_length = noisy[:, 0], None
     cache = cache.with_length(start + canvas_index.astype(jnp.int32) * c)
-    block_length = None
-
-  def denoise(sc_logits, sc_mask):
-    return model.apply(params, canvas, cache, sc_logits, sc_mask, block_length=block_length,
-                       method=model.denoise)  # [B, k*C, V]
-
-  sc_prob = config.self_conditioning_prob
-  if sc_prob > 0:
-    sc_mask = jax.random.uniform(k_sc, (b,)) < sc_prob
-    first = jax.lax.stop_gradient(denoise(None, None))
-    logits = denoise(first, sc_mask)
-  else:
-    logits = denoise(None, None)
+  logits = _denoise(model, params, canvas, cache, block_length, config, k_sc)
   logits = noise.prepare_logits(logits).reshape(*clean.shape, -1)  # [B, k, C, V]
   ce = _cross_entropy(logits, clean)  # [B, k, C]
-  valid = jnp.broadcast_to(valid, ce.shape).astype(jnp.float32)  # [B, k, C]: canvases of the response
+  valid = valid.astype(jnp.float32)
   count = jnp.maximum(valid.sum(), 1.0)
   loss_diffusion = (valid * weights * ce).sum() / count
   loss = config.diffusion_loss_weight * loss_diffusion + config.ar_loss_weight * ar_loss

@@ -8,49 +8,12 @@ Three interchangeable implementations of the same function (`ModelConfig.moe_imp
   tiles). No token is dropped, and the work is at most (T*k + E*X) rows instead of T*E, so the cost stays
   flat as E grows at fixed k. This is what is truly sparse on CPU.
 - `ragged`: the sorted assignments through `jax.lax.ragged_dot` (real kernels on GPU/TPU; on CPU it
-  costs as much as all experts: measured with jax 0.10.2, ~7 useful GFLOP/s against ~140 for `grouped`).
+  computes every expert: see docs/moe.md).
 - `dense`: every expert on every token, weighted by the (mostly zero) routing weights. The reference.
 
-Expert parallelism. Under a mesh whose `expert` axis has n > 1 devices (`jax.set_mesh(mesh)` around the
-jitted call, read by `get_abstract_mesh()`; without it jit's shardings alone leave the experts to GSPMD),
-the experts run inside `jax.shard_map`: each device keeps its E/n experts' weights and the tokens travel.
-The tokens, split over the batch axes (data, fsdp, expert), are all-gathered along `expert` with their
-routing (ids and weights); each device runs its local experts on the assignments that chose them, weights
-and sums them per token in float32, and `psum_scatter` along `expert` returns each device the sum over
-all experts for its own tokens. Exact: nothing is dropped.
-With `expert_mlp -> tensor`, each tensor device holds an F/t slice of every local expert (the GeGLU is
-elementwise in F, so the slice is self-contained) and a `psum` over `tensor` completes the second matmul
-(F not divisible by the tensor size: the experts are replicated over `tensor`, every tensor device runs
-all of F). `embed -> fsdp` splits are all-gathered along `fsdp` inside the map, as FSDP does for every
-layer, so their gradients leave by a reduce-scatter; over `data` the gradients are summed (all-reduce).
-
-Why all-gather + reduce-scatter and not an all-to-all. Bytes received per device per layer, T tokens per
-device, the 26B-A4B config (E=128, k=8, D=2816, F=704, bf16) on n=8:
-- GSPMD with `experts -> expert` alone: at best it all-gathers the expert weights, 3*E*F*D*2 bytes =
-  1.52 GB per layer, (n-1)/n = 1.33 GB received, again in a rematerialised backward pass, plus a
-  reduce-scatter of their gradients of the same size. (With the `grouped` path it does worse: it
-  all-reduces the per-tile weight copies, see the numbers below.)
-- this: (n-1)*T*(2D bf16 tokens + 8k routing + 4D float32 partial outputs) = 118.7 kB per token: 30 MB for
-  one 256-token canvas per device (44x less), 243 MB for T=2048 (5.5x less). It only loses beyond
-  T = 3*E*F*D*2 / (n*(6D + 8k)) ~ 11k tokens per device per layer.
-- an exact all-to-all must size each destination's buffer for the worst case: T rows if every token is
-  sent at most once per device (the same bytes as the all-gather, plus bookkeeping), T*min(k, E/n) = 8T
-  rows if sent once per assignment. Only a capacity factor (dropping tokens) or a ragged all-to-all
-  makes it cheaper; we drop nothing, so the all-gather, the simpler and ring-friendly collective, wins.
-Compute stays balanced: a device may receive up to n*T*min(k, E/n) assignments (everyone picks its
-experts), so the `grouped` tile layout (indices only) has room for that, but the tiles run in chunks of
-the one-device buffer size under `lax.cond` in a `lax.scan`: only chunks holding assignments gather their
-rows and compute, about T*k rows per device when the routing is balanced, and each adds its weighted
-rows into the [n*T, D] sum, so no worst-case buffer of rows is ever built. `ragged` passes the
-worst-case rows to `ragged_dot` (rows past the last group get zero weight); `dense` runs the local experts
-on all gathered tokens.
-Measured (`python tests/test_expert_parallel.py --measure 256`: one such layer compiled for a (1, 1, 8, 1)
-mesh of CPU devices, which run the collectives in float32): collective results per device 24.9 MiB
-forward, 49.6 MiB forward+backward, against 5984 and 6160 MiB for GSPMD; temp memory 0.8 GiB forward,
-6.1 GiB forward+backward, against 12.1 and 15.9 GiB. At T=2048: 199 / 397 MiB against 7217 / 8625 MiB,
-temp 1.5 / 12.0 GiB against 17.0 / 26.0 GiB. Most of that temp is the `grouped` path's per-tile copies of
-the expert weights (`gating[tile_expert]`, kept for the backward pass). (`ragged` on CPU expands to all
-experts: 3.2 GiB temp forward at T=256 either way, 24.9 MiB collectives here, 440 MiB under GSPMD.)
+Under a mesh with an `expert` axis the experts run expert-parallel in `jax.shard_map` (tokens all-gathered
+along `expert`, local experts applied, `psum_scatter` back; exact, weights never move). The design, why not
+an all-to-all, and the measurements: docs/moe.md.
 """
 
 from __future__ import annotations

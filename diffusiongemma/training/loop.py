@@ -246,42 +246,24 @@ def train(task: Task, workdir) -> TrainState:
 def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed, *,
           fresh: bool) -> TrainState:
   tc = setup.task.loop
-  train_step = setup.train_step
   step = first_step = int(state.step)
-  progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * setup.task.sequence_length, step)
+  clock = metrics_lib.Stopwatch(elapsed)  # training time: compiling, evaluating and saving excluded
+  progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * setup.task.sequence_length, step, clock)
   writer = metrics_lib.create_writer(setup.workdir, enabled=parallel.is_main_process())
-  process_start, cpu_start = time.perf_counter(), time.process_time()
-  excluded = 0.0  # seconds of evaluation, checkpointing and the first (compiling) step in this run
   compile_s = 0.0
-  excluded_cpu = 0.0
-
-  def run_seconds():
-    return time.perf_counter() - process_start - excluded
-
-  def timings():
-    return {"train_s": elapsed["train_s"] + run_seconds(),
-            "cpu_s": elapsed["cpu_s"] + time.process_time() - cpu_start - excluded_cpu}
 
   def run_eval():
-    nonlocal excluded, excluded_cpu
-    began, began_cpu = time.perf_counter(), time.process_time()
-    results = setup.evaluate(state.params, val_ds, tc.eval_batches)
+    with clock.excluded():
+      results = setup.evaluate(state.params, val_ds, tc.eval_batches)
     writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()} |
-                         {f"time/{k}": v for k, v in timings().items()})
+                         {f"time/{k}": v for k, v in clock.totals().items()})
     logging.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
-    excluded += time.perf_counter() - began
-    excluded_cpu += time.process_time() - began_cpu
-    progress.resume(began)
 
   def save():
-    nonlocal excluded, excluded_cpu
-    began, began_cpu = time.perf_counter(), time.process_time()
-    writer.flush()
-    meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": timings()}
-    checkpointer.save(step, state, train_iter.get_state(), meta)
-    excluded += time.perf_counter() - began
-    excluded_cpu += time.process_time() - began_cpu
-    progress.resume(began)
+    with clock.excluded():
+      writer.flush()
+      meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals()}
+      checkpointer.save(step, state, train_iter.get_state(), meta)
 
   try:
     with _Preemption() as preemption:
@@ -291,14 +273,17 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
         save()
       while step < tc.num_steps:
         batch = to_global(next(train_iter), setup.batch_sharding)
-        state, metrics = train_step(state, batch)
+        if step == first_step:  # the first step compiles: left out of times and tokens/s
+          with clock.excluded():
+            began = time.perf_counter()
+            state, metrics = setup.train_step(state, batch)
+            metrics = jax.device_get(metrics)
+            compile_s = time.perf_counter() - began
+          progress.restart(step + 1)
+        else:
+          state, metrics = setup.train_step(state, batch)
+          metrics = jax.device_get(metrics)
         step += 1
-        metrics = jax.device_get(metrics)
-        if step == first_step + 1:  # the first step compiled: leave it out of times and tokens/s
-          compile_s = run_seconds()
-          excluded += compile_s
-          excluded_cpu = time.process_time() - cpu_start
-          progress.restart(step)
         if not step_lib.check_finite(metrics, step, tc.nan_policy):
           logging.warning("Skipped the update of step %d: non-finite metrics.", step)
         accumulator.add(metrics)
@@ -308,19 +293,18 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
           means["skipped"] = round((1.0 - means.pop("finite", 1.0)) * accumulator.count)
           accumulator.reset()
           writer.write_scalars(step, {f"train/{k}": v for k, v in means.items()} |
-                               {f"time/{k}": v for k, v in timings().items()})
+                               {f"time/{k}": v for k, v in clock.totals().items()})
           logging.info("%s", progress.line(step, means))
         if tc.eval_every and (step % tc.eval_every == 0 or last):
           run_eval()
-        out_of_time = 0 < tc.time_budget_s <= run_seconds() + compile_s
+        out_of_time = 0 < tc.time_budget_s <= clock.seconds() + compile_s
         if step % tc.checkpoint_every == 0 or last or preemption.requested or out_of_time:
           save()
         if preemption.requested:
           logging.warning("SIGTERM: saved the checkpoint of step %d; exiting.", step)
           break
         if out_of_time:
-          logging.info("Time budget of %.0f s spent at step %d; saved and stopping.",
-                       tc.time_budget_s, step)
+          logging.info("Time budget of %.0f s spent at step %d; saved and stopping.", tc.time_budget_s, step)
           break
   finally:
     writer.close()

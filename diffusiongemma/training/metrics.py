@@ -7,6 +7,7 @@ files are written with tensorboardX when it is installed (a warning otherwise).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -139,31 +140,53 @@ class MeanAccumulator:
     return {"sums": dict(self.sums), "count": self.count}
 
 
+class Stopwatch:
+  """Training time: wall and process-CPU seconds since the start, less the spans run `excluded()`
+  (compilation, evaluation, checkpointing), plus what earlier runs of the same training reported."""
+
+  def __init__(self, earlier: Mapping[str, float] | None = None):
+    self._earlier = {"train_s": 0.0, "cpu_s": 0.0, **(earlier or {})}
+    self._wall, self._cpu = time.perf_counter(), time.process_time()
+    self._excluded_wall = self._excluded_cpu = 0.0
+
+  @contextlib.contextmanager
+  def excluded(self):
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+      yield
+    finally:
+      self._excluded_wall += time.perf_counter() - wall
+      self._excluded_cpu += time.process_time() - cpu
+
+  def seconds(self) -> float:
+    """Training seconds of this run."""
+    return time.perf_counter() - self._wall - self._excluded_wall
+
+  def totals(self) -> dict[str, float]:
+    """Training wall seconds and process CPU seconds of the whole training, earlier runs included."""
+    return {"train_s": self._earlier["train_s"] + self.seconds(),
+            "cpu_s": self._earlier["cpu_s"] + time.process_time() - self._cpu - self._excluded_cpu}
+
+
 class Progress:
-  """The progress line: step, loss, tokens/s and ETA, measured over training time only (not
-  compilation, evaluation or checkpointing)."""
+  """The progress line: step, loss, tokens/s and ETA, over the training seconds of a `Stopwatch`."""
 
-  def __init__(self, num_steps: int, tokens_per_step: int, start_step: int):
-    self.num_steps, self.tokens_per_step = num_steps, tokens_per_step
-    self._step, self._time = start_step, time.perf_counter()
+  def __init__(self, num_steps: int, tokens_per_step: int, start_step: int, stopwatch: Stopwatch):
+    self.num_steps, self.tokens_per_step, self.stopwatch = num_steps, tokens_per_step, stopwatch
+    self._step, self._seconds = start_step, stopwatch.seconds()
     self.tokens_per_second = 0.0
-
-  def resume(self, paused_at: float) -> None:
-    """Excludes the time since `paused_at` (a `time.perf_counter()`: evaluation, checkpointing) from the
-    throughput."""
-    self._time += time.perf_counter() - paused_at
 
   def restart(self, step: int) -> None:
     """Measures from now (e.g. after the first step, so that compilation is not counted)."""
-    self._step, self._time = step, time.perf_counter()
+    self._step, self._seconds = step, self.stopwatch.seconds()
 
   def line(self, step: int, means: Mapping[str, float]) -> str:
-    now = time.perf_counter()
+    now = self.stopwatch.seconds()
     steps = step - self._step
-    elapsed = max(now - self._time, 1e-9)
+    elapsed = max(now - self._seconds, 1e-9)
     if steps > 0:
       self.tokens_per_second = steps * self.tokens_per_step / elapsed
-      self._step, self._time = step, now
+      self._step, self._seconds = step, now
     seconds_per_step = self.tokens_per_step / max(self.tokens_per_second, 1e-9)
     eta = (self.num_steps - step) * seconds_per_step if self.tokens_per_second else math.nan
     parts = [f"step {step}/{self.num_steps}", f"loss {means.get('loss', math.nan):.4f}",

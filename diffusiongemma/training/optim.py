@@ -34,7 +34,7 @@ class OptimizerSettings:
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any]) -> "OptimizerSettings":
-    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
+    return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
 OPTIMIZER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimizerSettings))

@@ -14,7 +14,8 @@ deterministic by seed:
   symmetries of `random_symmetry`, and reveals extra cells of the solution to set the clue count).
 - The token encoding: pad/eos/bos are the project's ids 0/1/2, `BLANK` is 3 and digit d is 3 + d, in a
   vocabulary of `VOCAB_SIZE` = 16 (the last id, 15, is free for the mask token of masked noise). The
-  prompt is BOS + the 81 cells (82 tokens); the response is the 81 solution digits: one canvas of 81.
+  prompt is BOS + the 81 cells (82 tokens); the response is the 81 solution digits: one canvas of 81,
+  whose clue cells the solver holds (`encode_solution_canvas`).
 - `check_solution`: a valid grid (every row, column and box a permutation of 1..9) that keeps every
   clue of the puzzle. A puzzle with a unique solution has exactly one such grid.
 - Puzzle files: one puzzle per line, 81 characters, `0` or `.` for a blank (`read_puzzles`,
@@ -31,8 +32,6 @@ import random
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-
-from diffusiongemma import _files
 
 PAD, EOS, BOS, BLANK = 0, 1, 2, 3
 DIGIT_OFFSET = 3  # digit d (1..9) is token 3 + d
@@ -245,7 +244,10 @@ def puzzle_pool(num_puzzles: int, num_clues: int, seed: int, split: str = "train
   if path is not None:
     buffer = io.BytesIO()
     np.savez(buffer, puzzles=puzzles, solutions=solutions)
-    _files.atomic_write(path, buffer.getvalue())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(buffer.getvalue())
+    os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
   return puzzles, solutions
 
 
@@ -301,6 +303,13 @@ def encode_solution(solution: np.ndarray) -> np.ndarray:
   return solution.astype(np.int32) + DIGIT_OFFSET
 
 
+def encode_solution_canvas(puzzle: np.ndarray) -> np.ndarray:
+  """[..., 81] cells (0 blank) -> [..., 81] a canvas holding the clues' digit tokens (BLANK elsewhere: those
+  positions start from the noise when the clues are given to the sampler)."""
+  puzzle = np.asarray(puzzle)
+  return np.where(puzzle == 0, BLANK, puzzle.astype(np.int32) + DIGIT_OFFSET).astype(np.int32)
+
+
 def decode_solution(tokens: np.ndarray) -> np.ndarray:
   """[..., 81] response tokens -> [..., 81] digits, 0 where a token is not a digit."""
   tokens = np.asarray(tokens).astype(np.int64)
@@ -339,17 +348,41 @@ def check_solution(puzzle: np.ndarray, solution: np.ndarray) -> np.ndarray:
 def parse_puzzle(line: str, where: str = "puzzle") -> np.ndarray:
   """81 characters, digits with `0` or `.` for a blank -> [81] int8."""
   text = line.strip()
-  if len(text) != NUM_CELLS or any(ch not in "0123456789." for ch in text):
-    raise ValueError(f"{where}: expected 81 characters of 1-9 with 0 or . for a blank, got "
-                     f"{len(text)} characters: {text[:90]!r}.")
+  bad = sorted({ch for ch in text if ch not in "0123456789."})
+  if len(text) != NUM_CELLS or bad:
+    reason = f"characters {bad} are not allowed" if bad else f"{len(text)} characters"
+    raise ValueError(f"{where}: expected 81 characters of 1-9 with 0 or . for a blank; {reason}: "
+                     f"{text[:90]!r}.")
   return np.asarray([0 if ch == "." else int(ch) for ch in text], np.int8)
 
 
+def clash(puzzle: np.ndarray) -> str | None:
+  """A description of two clues that break a row, column or box rule, or None when the clues agree."""
+  grid = np.asarray(puzzle).ravel()
+  names = [f"row {r + 1}" for r in range(9)] + [f"column {c + 1}" for c in range(9)] + \
+          [f"box {b + 1}" for b in range(9)]
+  for name, unit in zip(names, _UNITS):
+    digits = [int(grid[i]) for i in unit if grid[i]]
+    repeated = sorted({d for d in digits if digits.count(d) > 1})
+    if repeated:
+      return f"the digit {repeated[0]} appears twice in {name}"
+  return None
+
+
 def read_puzzles(path: os.PathLike | str) -> np.ndarray:
-  """[N, 81] int8 puzzles of a file with one per line (blank lines skipped)."""
+  """[N, 81] int8 puzzles of a file with one per line (blank lines skipped). A line that is not 81
+  characters of 0-9 and '.', or whose clues break a row, column or box rule, is an error naming it.
+  (A legal puzzle with no solution is read: a solver reports it unsolved.)"""
   path = pathlib.Path(path)
-  rows = [parse_puzzle(line, f"{path}:{n}") for n, line in
-          enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if line.strip()]
+  rows = []
+  for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    if not line.strip():
+      continue
+    puzzle = parse_puzzle(line, f"{path}:{n}")
+    problem = clash(puzzle)
+    if problem:
+      raise ValueError(f"{path}:{n}: the clues break the rules: {problem}.")
+    rows.append(puzzle)
   return np.stack(rows) if rows else np.zeros((0, NUM_CELLS), np.int8)
 
 

@@ -26,10 +26,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from diffusiongemma.data import sudoku
 from diffusiongemma.sampling import stats
 from diffusiongemma.sampling.autoregressive import ARSampler
 from diffusiongemma.sampling.sampler import Sampler
+from projects.sudoku import data as sudoku
 
 @dataclasses.dataclass
 class SolveResult:
@@ -61,34 +61,36 @@ class SolveResult:
 
 
 def _batches(puzzles: np.ndarray, batch_size: int):
-  """(prompts [b, 82], number of real rows) per batch, the last padded with repeats of its puzzles."""
+  """(puzzles [b, 81], number of real rows) per batch, the last padded with repeats of its puzzles."""
   for start in range(0, len(puzzles), batch_size):
     chunk = puzzles[start:start + batch_size]
     real = len(chunk)
     if real < batch_size:
       chunk = np.concatenate([chunk, np.resize(chunk, (batch_size - real, sudoku.NUM_CELLS))])
-    yield sudoku.encode_puzzle(chunk), real
+    yield chunk, real
 
 
-def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, pad_id: int) -> SolveResult:
-  """Runs `decode(prompts, batch_index) -> (tokens [b, >=81], passes [b])` over every batch."""
+def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, pad_id: int, held: bool = False) -> SolveResult:
+  """Runs `decode(puzzles [b, 81], batch_index) -> (tokens [b, >=81], passes [b])` over every batch;
+  `held`: the clues were given, not written by the model (they are not new tokens)."""
   puzzles = np.asarray(puzzles)
   if puzzles.ndim != 2 or puzzles.shape[1] != sudoku.NUM_CELLS:
     raise ValueError(f"puzzles must have shape [N, 81], got {puzzles.shape}.")
   if len(puzzles) == 0:
     raise ValueError("No puzzles to solve.")
   batch_size = max(1, min(int(batch_size), len(puzzles)))
-  first_prompts, _ = next(_batches(puzzles, batch_size))
+  warm, _ = next(_batches(puzzles, batch_size))
   start = time.perf_counter()
-  jax.block_until_ready(decode(first_prompts, 0))
+  jax.block_until_ready(decode(warm, 0))
   first = time.perf_counter() - start
   outputs, passes, new = [], [], []
   start, cpu_start = time.perf_counter(), time.process_time()
-  for i, (prompts, real) in enumerate(_batches(puzzles, batch_size)):
-    tokens, counts = jax.device_get(decode(prompts, i))
+  for i, (chunk, real) in enumerate(_batches(puzzles, batch_size)):
+    tokens, counts = jax.device_get(decode(chunk, i))
     tokens = np.asarray(tokens)[:real]
     outputs.append(tokens[:, :sudoku.NUM_CELLS])
-    new.append(stats.new_token_counts(tokens, pad_id))
+    written = stats.new_token_counts(tokens, pad_id)
+    new.append(written - (chunk[:real] != 0).sum(-1) if held else written)
     passes.append(np.asarray(counts)[:real])
   run_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
   batches = math.ceil(len(puzzles) / batch_size)
@@ -99,27 +101,32 @@ def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, pad_id: int) ->
                      compile_s=max(first - run_s / batches, 0.0))
 
 
-def solve_diffusion(sampler: Sampler, params, puzzles: np.ndarray, *, batch_size: int = 64,
-                    seed: int = 0) -> SolveResult:
-  """Block-diffusion solving with `sampler.generate`: one canvas per puzzle."""
+def solve_diffusion(sampler: Sampler, params, puzzles: np.ndarray, *, batch_size: int = 64, seed: int = 0,
+                    hold_clues: bool = True, on_pass=None) -> SolveResult:
+  """Block-diffusion solving with `sampler.generate`: one canvas per puzzle; with `hold_clues` the clues
+  are given positions of the canvas (held in every pass) and the model writes only the blanks.
+  `on_pass`: `generate`'s per-pass stream (e.g. to draw the canvas filling in)."""
   length = sampler.canvas_length
-  if length < sudoku.NUM_CELLS:
-    raise ValueError(f"The model's canvas_length={length} is shorter than the 81 cells of a Sudoku.")
+  if length != sudoku.NUM_CELLS:
+    raise ValueError(f"The model's canvas_length={length} is not the 81 cells of a Sudoku.")
 
-  def decode(prompts, i):
-    out = sampler.generate(params, prompts, jax.random.fold_in(jax.random.key(seed), i),
-                           max_new_tokens=length)
+  def decode(chunk, i):
+    canvas = given = None
+    if hold_clues:
+      canvas, given = sudoku.encode_solution_canvas(chunk), chunk != 0
+    out = sampler.generate(params, sudoku.encode_puzzle(chunk), jax.random.fold_in(jax.random.key(seed), i),
+                           max_new_tokens=length, initial_canvas=canvas, given=given, on_pass=on_pass)
     return out.tokens, out.num_denoiser_passes
 
-  return _run(decode, puzzles, batch_size, sampler.model.config.pad_id)
+  return _run(decode, puzzles, batch_size, sampler.model.config.pad_id, held=hold_clues)
 
 
 def solve_autoregressive(sampler: ARSampler, params, puzzles: np.ndarray, *, batch_size: int = 64,
                          seed: int = 0) -> SolveResult:
   """Greedy token-by-token solving with an `ARSampler` (81 forward passes per puzzle)."""
 
-  def decode(prompts, i):
-    out = sampler.generate(params, prompts, jax.random.fold_in(jax.random.key(seed), i),
+  def decode(chunk, i):
+    out = sampler.generate(params, sudoku.encode_puzzle(chunk), jax.random.fold_in(jax.random.key(seed), i),
                            max_new_tokens=sudoku.NUM_CELLS)
     return out.tokens, out.num_forward_passes
 
