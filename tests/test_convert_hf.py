@@ -1,6 +1,6 @@
 """Exact match with the transformers reference: a tiny random checkpoint loaded by `dg.convert.load_hf`.
 
-The reference model (tests/hf_reference.py) has every weight and every otherwise-constant scale drawn at
+The reference model (benchmarks/hf_reference.py) has every weight and every otherwise-constant scale drawn at
 random, sliding window 5, layers S S F F, 5 experts top-2, odd sizes. Prompts shorter and longer than the
 window. Tolerance 1e-4 (float32); measured: encoder <= 8e-6, decoder <= 5e-5 on logits of magnitude ~10.
 """
@@ -20,7 +20,7 @@ import pytest
 import diffusiongemma as dg
 
 torch = pytest.importorskip("torch")
-hf_reference = pytest.importorskip("hf_reference")
+hf_reference = pytest.importorskip("benchmarks.hf_reference")
 
 pytestmark = pytest.mark.hf
 ATOL = 1e-4

@@ -1,7 +1,8 @@
 """Reference outputs from the Hugging Face transformers DiffusionGemma (torch, float32, CPU).
 
-Imported by tests (it contains none). `make_tiny_hf` builds and saves a tiny random
-`DiffusionGemmaForBlockDiffusion`; the other helpers run it the way `generate` does and return numpy.
+Shared by the tests' cross-checks and `benchmarks.vs_transformers` (it contains no test). `make_tiny_hf`
+builds and saves a tiny random `DiffusionGemmaForBlockDiffusion`; the other helpers run it the way
+`generate` does and return numpy (`generate` moves its inputs to the model's device: a CUDA model works).
 
 Images (tests/test_vision.py): `make_tiny_hf(..., vision_config={...}, image_token_ids=(image, boi, eoi),
 use_bidirectional_attention="vision")` gives a tiny vision tower whose weights are re-drawn too (a
@@ -100,6 +101,7 @@ def default_layer_types(num_hidden_layers):
     types = ["full_attention" if i % 3 == 2 else "sliding_attention" for i in range(num_hidden_layers)]
     types[-1] = "full_attention"
     return types
+
 
 
 @torch.no_grad()
@@ -334,6 +336,6 @@ def generate(model, prompt, decoder_input_ids=None, *, seed=0, entropy_bound=Non
     if entropy_bound is not None:
         kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound))
     if decoder_input_ids is not None:
-        kwargs["decoder_input_ids"] = _long(decoder_input_ids)
-    out = model.generate(_long(prompt), **kwargs)
-    return out.sequences.numpy(), out.tokens_per_forward.numpy()
+        kwargs["decoder_input_ids"] = _long(decoder_input_ids).to(model.device)
+    out = model.generate(_long(prompt).to(model.device), **kwargs)
+    return out.sequences.cpu().numpy(), out.tokens_per_forward.cpu().numpy()

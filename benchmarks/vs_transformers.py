@@ -1,23 +1,23 @@
 r"""Our sampler against transformers' `generate` on the same converted model, side by side in one process.
 
-Builds a random DiffusionGemma in transformers (tests/hf_reference.py's weights: every weight and scale
+Builds a random DiffusionGemma in transformers (benchmarks/hf_reference.py's weights: every weight and scale
 drawn at random), saves it, converts it with `dg.convert.load_hf`, and times on the same prompts:
 - ours (`dg.Sampler`, float32) and transformers' `generate` (float32, eager, its default DynamicCache,
   `torch.set_num_threads(--threads)`) with `--steps` fixed denoising steps (ours: stopping 'fixed';
   theirs: an unreachable confidence threshold, so both run every step) and with the released defaults
   (48 steps, entropy-bound acceptance, stable-and-confident stop) at `--default_batch_sizes`;
 - our autoregressive baseline (`dg.ARSampler`, greedy) on the same prompts and number of new tokens;
-- at each batch size, one denoising step of ours taken apart (`benchmarks.step_breakdown`): the denoiser
+- at each batch size, one denoising step of ours taken apart (`measure.step_breakdown`): the denoiser
   pass, the vocabulary head, the whole step; the rest of a generation (prompt encoding, the loops) is its
   time per step minus the step's; the MFU of denoiser + head against a float32 matmul peak measured in
-  this run (useful FLOPs counted from the shapes, `benchmarks.denoiser_flops`; XLA's count beside it);
+  this run (useful FLOPs counted from the shapes, `measure.denoiser_flops`; XLA's count beside it);
 - a bfloat16 copy of ours (parameters and matmuls in bf16, statistics in f32) against float32: speed, and
   token agreement from the same initial canvas and seed (committed tokens, and the first step's argmax).
 Tokens/s are new tokens / the median wall time of a call after a first (compiling / warm-up) call. The
 machine may be shared: compare the ratios of one run, not absolute rates across runs.
 
-  python scripts/benchmark_vs_transformers.py --output=workdir/benchmark_vs_transformers.json
-  python scripts/benchmark_vs_transformers.py --quick   # batch 1, one repeat, no defaults run
+  python benchmarks/vs_transformers.py --output=workdir/benchmark_vs_transformers.json
+  python benchmarks/vs_transformers.py --quick   # batch 1, one repeat, no defaults run
 
 JSON (times in seconds): model (sizes, parameters, the ModelConfig), machine (backend, devices, processor,
 torch_threads, matmul_peak_gflops: the best of the peaks measured during the run), settings (ours:
@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import diffusiongemma as dg
-from diffusiongemma import benchmarks
+from benchmarks import measure
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "8", "16"], "Batch sizes of the fixed-steps runs.")
@@ -94,7 +94,7 @@ def _hf_generate(hf_reference, model, prompts, kwargs, repeats, threads):
 
 
 def _ours(sampler, params, prompts, repeats, rng=jax.random.key(1), **kwargs):
-  timing = benchmarks.time_call(sampler.generate, params, prompts, rng, NEW_TOKENS, repeats=repeats, **kwargs)
+  timing = measure.time_call(sampler.generate, params, prompts, rng, NEW_TOKENS, repeats=repeats, **kwargs)
   passes = np.asarray(timing.output.canvas_passes)
   return timing, float(passes[passes > 0].mean())
 
@@ -127,10 +127,10 @@ def _breakdown(model, params, prompts, num_steps, peak, repeats):
   times = {}
   for n in (num_steps, 2 * num_steps):
     sampler = dg.Sampler(model, dg.SamplerConfig(max_denoising_steps=n, stopping="fixed", stop_tokens=()))
-    times[n] = benchmarks.time_call(sampler.generate, params, prompts, jax.random.key(1), NEW_TOKENS,
+    times[n] = measure.time_call(sampler.generate, params, prompts, jax.random.key(1), NEW_TOKENS,
                                     repeats=max(repeats, 3)).best
   in_program = (times[2 * num_steps] - times[num_steps]) / num_steps
-  parts = benchmarks.step_breakdown(dg.Sampler(model, dg.SamplerConfig(
+  parts = measure.step_breakdown(dg.Sampler(model, dg.SamplerConfig(
       max_denoising_steps=num_steps, stopping="fixed", stop_tokens=())), params, prompts,
                                     repeats=max(repeats, 3))
   denoiser = parts["denoiser_seconds"] + parts["head_seconds"]
@@ -194,7 +194,7 @@ def main(argv):
   default_cfg = dg.SamplerConfig(stop_tokens=())
   hf_fixed = dict(max_new_tokens=NEW_TOKENS, max_denoising_steps=_STEPS.value, confidence_threshold=1e-30)
   hf_default = dict(max_new_tokens=NEW_TOKENS)
-  peaks = [benchmarks.matmul_peak_flops(2048, repeats=5)]
+  peaks = [measure.matmul_peak_flops(2048, repeats=5)]
   results = {
       "model": {"description": f"random {counts['total'] / 1e6:.1f}M-parameter DiffusionGemma (hidden "
                                 f"{cfg.hidden_size}, {cfg.num_layers} layers, {cfg.num_experts} experts "
@@ -232,11 +232,11 @@ def main(argv):
       results["runs"].append(row)
       print(json.dumps(row), flush=True)
       if kind == "fixed":
-        ar = benchmarks.time_call(ar_sampler.generate, params, prompts, jax.random.key(1), NEW_TOKENS,
+        ar = measure.time_call(ar_sampler.generate, params, prompts, jax.random.key(1), NEW_TOKENS,
                                   repeats=repeats)
         results["ar"].append({"batch_size": b, "seconds": ar.median,
                               "tokens_per_second": b * NEW_TOKENS / ar.median})
-        peaks.append(benchmarks.matmul_peak_flops(2048, repeats=5))
+        peaks.append(measure.matmul_peak_flops(2048, repeats=5))
         results["breakdown"].append(_breakdown(model, params, prompts, _STEPS.value, max(peaks), repeats))
         print(json.dumps(results["breakdown"][-1]), flush=True)
   for b in ([1] if quick else [1, 8]):
