@@ -118,7 +118,7 @@ class Sampler(prompts_lib.StaticArgument):
         max_denoising_steps=config.max_denoising_steps, t_max=config.t_max, t_min=config.t_min, noise=noise,
         acceptance=acceptance if acceptance is not None else build.acceptance_rule(config),
         stopping=stopping if stopping is not None else build.stopping_rule(config))
-    self.head = vocab.VocabHead.for_model(mc, noise.never_token, config.vocab_chunk_size)
+    self.head = vocab.VocabHead.for_model(mc, noise.never_token, config.vocab_chunk_size, config.vocab_budget_mib)
 
   @property
   def noise(self) -> noise_lib.NoiseProcess:
@@ -136,7 +136,7 @@ class Sampler(prompts_lib.StaticArgument):
     return {**dataclasses.asdict(self.config), "stop_tokens": list(self.stop_tokens),
             "noise": self.noise.name, "never_token": self.noise.never_token,
             "acceptance_rule": repr(self.rules.acceptance), "stopping_rule": repr(self.rules.stopping),
-            "dtype": self.model.config.dtype}
+            "dtype": self.model.config.dtype, "moe_impl": self.model.config.moe_impl}
 
   # ---------------------------------------------------------------------------------------- inputs
   def _initial_canvas(self, initial_canvas, batch_size: int, num_canvases: int,
