@@ -142,6 +142,7 @@ def _infill(sampler, tokenizer, max_new: int):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  dg.parallel.enable_compilation_cache(_WORKDIR.value)
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config

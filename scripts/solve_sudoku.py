@@ -19,6 +19,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import training
 from diffusiongemma.data import sudoku
 from diffusiongemma.evaluation import sudoku as sudoku_eval
@@ -37,6 +38,7 @@ flags.mark_flags_as_required(["config", "workdir", "puzzles", "output"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   config = _CONFIG.value
   puzzles = sudoku.read_puzzles(_PUZZLES.value)
