@@ -28,7 +28,8 @@ benchmark.json (times in seconds, rates per second, every number finite and >= 0
   model                          total_parameters, active_parameters, canvas_length, dtype
   sampler                        max_new_tokens, prompt_length and every setting of the sampler
                                  (`Sampler.settings()`: SamplerConfig fields, noise, rules, dtype)
-  machine                        backend, devices, processor, matmul_peak_gflops, read_bandwidth_gbps
+  machine                        `measure.provenance` (backend, device, devices, processor, load_average,
+                                 git_commit, ...), matmul_peak_gflops, read_bandwidth_gbps
   decoding[]                     one per batch size: batch_size; for diffusion_ and ar_: seconds,
                                  compile_seconds, tokens_per_second, latency_seconds, new_tokens;
                                  pooled_tokens_per_forward, mean_tokens_per_forward, steps_per_canvas,
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import platform
 
 from absl import app
 from absl import flags
@@ -246,6 +246,7 @@ def main(argv):
   prompt_length = _PROMPT_LENGTH.value or config.data.prompt_length
   ids = _validation_ids(config, workdir)
 
+  machine = measure.provenance(_ROOT)  # the load average before the measurements
   peak = measure.matmul_peak_flops(1024 if quick else 2048, repeats=max(repeats, 5))
   bandwidth = measure.read_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 5))
   results = {
@@ -254,9 +255,7 @@ def main(argv):
       "model": {"total_parameters": counts["total"], "active_parameters": counts["active"],
                 "canvas_length": cfg.canvas_length, "dtype": cfg.dtype},
       "sampler": {"max_new_tokens": new_tokens, "prompt_length": prompt_length, **sampler.settings()},
-      "machine": {"backend": jax.default_backend(), "devices": jax.device_count(),
-                  "processor": platform.processor() or platform.machine(),
-                  "matmul_peak_gflops": peak / 1e9, "read_bandwidth_gbps": bandwidth / 1e9},
+      "machine": {**machine, "matmul_peak_gflops": peak / 1e9, "read_bandwidth_gbps": bandwidth / 1e9},
       "decoding": [],
   }
   rng = jax.random.key(1)
