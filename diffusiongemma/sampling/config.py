@@ -39,7 +39,8 @@ class SamplerConfig:
   vocab_chunk_size: the vocabulary head streams the vocabulary in chunks of this many tokens, so that no
     [batch, canvas, vocab] array exists (`sampling.vocab`); None: the whole vocabulary at once; "auto"
     (default): one chunk when a float32 [batch, canvas, vocab] array fits `vocab_budget_mib`, else chunks
-    whose [batch, canvas, chunk] arrays do. The same tokens either way, up to the order of float sums.
+    whose [batch, canvas, chunk] arrays do, and on a CPU at most 1024 tokens per chunk (faster there:
+    `sampling/vocab.py`). The same tokens either way, up to the order of float sums.
   vocab_budget_mib: the memory budget of "auto", in MiB (256: one chunk at batch 1 and vocabulary 262,144).
   """
 

@@ -136,7 +136,8 @@ class Sampler(prompts_lib.StaticArgument):
     return {**dataclasses.asdict(self.config), "stop_tokens": list(self.stop_tokens),
             "noise": self.noise.name, "never_token": self.noise.never_token,
             "acceptance_rule": repr(self.rules.acceptance), "stopping_rule": repr(self.rules.stopping),
-            "dtype": self.model.config.dtype, "moe_impl": self.model.config.moe_impl}
+            "dtype": self.model.config.dtype, "moe_impl": self.model.config.moe_impl,
+            "vocab_auto_max_chunk": self.head.auto_max_chunk}
 
   # ---------------------------------------------------------------------------------------- inputs
   def _initial_canvas(self, initial_canvas, batch_size: int, num_canvases: int,

@@ -25,13 +25,18 @@ scaled chunk`, e.g. disallowed tokens to `NEVER_LOGIT`): every statistic, the dr
 then follow the restricted distribution.
 
 Chunk size "auto" (`VocabHead.chunk_for`): one chunk when a float32 [B, C, V] array fits `budget_mib`, else
-the fewest chunks whose [B, C, U] arrays each fit it (U a multiple of 128). The head holds a few such arrays
-at once (logits, their exponentials, the draw's cumulative sums), so the budget bounds its memory to a small
-multiple of itself either way. Chunks cost time where a whole-vocabulary matmul is affordable: on an H200
-(vocab 262,144, canvas 256) 1024-token chunks made a generation 2.4x slower at batch 1 and 1.4x at batch 8
-than one chunk; the default budget of 256 MiB keeps one chunk at batch 1 and 32,768-token chunks at batch 8
-(a 2 GiB [B, C, V] array otherwise), which bounds the released vocabulary's generation at batch 8 under
-2.5 GiB of host memory (tests/test_sampler_memory.py). The choice is static: B and C are shapes at trace time.
+the fewest chunks whose [B, C, U] arrays each fit it (U a multiple of 128); on a CPU, at most
+`auto_max_chunk` = 1024 tokens per chunk besides. The head holds a few such arrays at once (logits, their
+exponentials, the draw's cumulative sums), so the budget bounds its memory to a small multiple of itself
+either way. On a GPU chunks cost time where a whole-vocabulary matmul is affordable: on an H200 (vocab
+262,144, canvas 256) 1024-token chunks made a generation 2.4x slower at batch 1 and 1.4x at batch 8 than
+one chunk; the default budget of 256 MiB keeps one chunk at batch 1 and 32,768-token chunks at batch 8 (a
+2 GiB [B, C, V] array otherwise), which keeps the released vocabulary's generation at batch 8 under 2.5 GiB
+(1.5-1.6 GiB measured on a CPU with that choice forced, tests/test_sampler_memory.py; 0.9 GiB with 1024). On a CPU it is the other way round: chunks that stay in
+the caches beat one large matmul (the 25M model at batch 1, vocab 8192: the head took ~60 ms in 1024-token
+chunks, ~120 ms in one, on a loaded 2-core machine), so "auto" keeps the 1024-token chunks measured best
+there. Both choices are static: the backend is asked once when the head is built (`for_model`), and B and
+C are shapes at trace time.
 
 Axes: B batch, C canvas, D model, V vocab, U vocabulary chunk, N chunks, R draw slots per row.
 """
@@ -56,6 +61,7 @@ Array = jax.Array
 Restrict = Callable[[Array, Array], Array]
 AUTO = "auto"  # a chunk size chosen from the memory budget
 DEFAULT_BUDGET_MIB = 256  # of one float32 [B, C, U] array of the head (U = V: one chunk)
+CPU_MAX_CHUNK = 1024  # "auto" on a CPU: tokens per chunk at most
 _CHUNK_MULTIPLE = 128
 
 
@@ -80,6 +86,13 @@ class _Running:
                     spread=(a * (self.spread + (self.max - top) * self.mass)
                             + b * (other.spread + (other.max - top) * other.mass)),
                     argmax=jnp.where(other.max > self.max, other.argmax, self.argmax), rows=rows)
+
+
+def default_auto_max_chunk(backend: str | None = None) -> int | None:
+  """The cap on "auto" chunks on `backend` (default: jax's): none where whole-vocabulary matmuls pay (GPU,
+  TPU), `CPU_MAX_CHUNK` elsewhere (module docstring)."""
+  backend = jax.default_backend() if backend is None else backend
+  return None if backend in ("gpu", "cuda", "rocm", "tpu") else CPU_MAX_CHUNK
 
 
 def _chunk_running(scaled: Array, first: Array | int, table: Array | None) -> _Running:
@@ -183,6 +196,7 @@ class VocabHead:
   never_token: int | None = None  # removed from the distribution (masked noise: the mask token)
   chunk_size: int | str | None = None  # tokens per chunk; None: the whole vocabulary at once; "auto"
   budget_mib: float = DEFAULT_BUDGET_MIB  # for chunk_size "auto": MiB of one float32 [B, C, U] array
+  auto_max_chunk: int | None = None  # for chunk_size "auto": at most this many tokens per chunk (CPU: 1024)
   draw_slots: int = 4  # positions per row whose draw one pass of `draw` recomputes
 
   def __post_init__(self):
@@ -192,28 +206,36 @@ class VocabHead:
                        f"{AUTO!r} (from the memory budget) or a positive integer.")
     if isinstance(self.budget_mib, bool) or not isinstance(self.budget_mib, (int, float)) or not self.budget_mib > 0:
       raise ValueError(f"vocab_budget_mib={self.budget_mib!r} is invalid: a positive number of MiB.")
-    if isinstance(self.draw_slots, bool) or not isinstance(self.draw_slots, int) or self.draw_slots < 1:
+    positive = lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not positive(self.draw_slots):
       raise ValueError(f"draw_slots={self.draw_slots!r} is invalid: a positive integer.")
+    if self.auto_max_chunk is not None and not positive(self.auto_max_chunk):
+      raise ValueError(f"auto_max_chunk={self.auto_max_chunk!r} is invalid: None or a positive integer.")
 
   @classmethod
   def for_model(cls, config: ModelConfig, never_token: int | None = None, chunk_size: int | str | None = None,
                 budget_mib: float = DEFAULT_BUDGET_MIB) -> "VocabHead":
+    """The head of `config`'s model; for chunk_size "auto", the backend's cap asked here, once."""
     return cls(vocab_size=config.vocab_size, softcap=config.final_logit_softcap, dtype=config.dtype,
-               never_token=never_token, chunk_size=chunk_size, budget_mib=budget_mib)
+               never_token=never_token, chunk_size=chunk_size, budget_mib=budget_mib,
+               auto_max_chunk=default_auto_max_chunk() if chunk_size == AUTO else None)
 
   def chunk_for(self, positions: int) -> int | None:
     """Tokens per chunk for `positions` (B x C) positions at once, None for one chunk: `chunk_size`, or
-    for "auto" the choice from `budget_mib` (module docstring)."""
+    for "auto" the choice from `budget_mib` and `auto_max_chunk` (module docstring)."""
     if self.chunk_size != AUTO:
       return self.chunk_size
     column = 4 * positions  # bytes of one vocabulary entry's float32 logits
     budget = int(self.budget_mib * 2**20)
-    if column * self.vocab_size <= budget:
-      return None
-    fits = max(_CHUNK_MULTIPLE, budget // column // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
-    chunks = -(-self.vocab_size // fits)
-    size = -(-self.vocab_size // chunks)  # the same chunks, evened out (the last one less padded)
-    return -(-size // _CHUNK_MULTIPLE) * _CHUNK_MULTIPLE
+    size = self.vocab_size
+    if column * size > budget:
+      fits = max(_CHUNK_MULTIPLE, budget // column // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+      chunks = -(-self.vocab_size // fits)
+      size = -(-self.vocab_size // chunks)  # the same chunks, evened out (the last one less padded)
+      size = -(-size // _CHUNK_MULTIPLE) * _CHUNK_MULTIPLE
+    if self.auto_max_chunk is not None:
+      size = min(size, self.auto_max_chunk)
+    return None if size >= self.vocab_size else size
 
   def _chunked_table(self, table: Array, chunk_size: int | None) -> Array:
     """The table as [N, U, D], zero rows after the vocabulary (their logits are removed)."""
