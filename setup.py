@@ -6,7 +6,8 @@ setuptools.setup(
     name="diffusiongemma",
     version="0.1.0",
     description="DiffusionGemma block diffusion in JAX/Flax: train, sample, convert, scale.",
-    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*"]),
+    # benchmarks/: side-by-side and component benchmarks, `python -m benchmarks.<name>` from anywhere.
+    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*", "benchmarks"]),
     python_requires=">=3.10",
     install_requires=[
         "jax==0.10.2",

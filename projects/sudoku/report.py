@@ -25,6 +25,7 @@ from absl import logging
 import numpy as np
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import training
 from projects.sudoku import data as sudoku
 from projects.sudoku import solve as sudoku_eval
@@ -120,6 +121,7 @@ def _plot(report, path):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   config = build.workdir_config(_WORKDIR.value)
   if config is None:
