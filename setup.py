@@ -29,7 +29,9 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
-                 "imageio>=2.38", "av>=14"],
+                 "imageio>=2.38", "av>=14", "lm-eval==0.4.13"],
+        # lm-evaluation-harness: the `diffusiongemma` model class (build/harness.py) and its script.
+        "eval": ["lm-eval==0.4.13"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.
