@@ -24,6 +24,7 @@ import chat_fixtures
 from diffusiongemma.build.config import load_config_file
 from diffusiongemma.chat import format as chat_format
 from diffusiongemma.evaluation import harness as harness_lib
+from diffusiongemma.evaluation import likelihood
 
 torch = pytest.importorskip("torch")  # the checkpoint is written by transformers
 lm_eval_utils = pytest.importorskip("lm_eval.utils")  # the `eval` extra
@@ -89,21 +90,43 @@ REQUESTS = [("The cat sat on the", " mat"), ("Question: 2+2=\nAnswer: ", "4 exac
             ("A", "bc"), ("Some much longer context that spans several buckets of tokens? " * 2, " yes")]
 
 
+def _greedy_request(folder, reference):
+  """A (context, continuation) whose continuation is the model's argmax next character after the context."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+  for i in range(50):
+    context = f"Greedy probe {i}:"
+    logits = hf_reference.encoder_logits(reference, np.asarray([[BOS] + _enc(folder, context)]))
+    piece = tokenizer.id_to_token(int(logits[0, -1].argmax()))
+    if len(piece) == 1 and piece.isprintable() and not piece.isspace():
+      return context, piece
+  raise AssertionError("no printable greedy continuation found")
+
+
 def test_loglikelihood_equals_transformers_and_an_off_by_one_boundary_fails(lm, checkpoint):
   folder, reference = checkpoint
-  ours = lm.loglikelihood([Instance("loglikelihood", {}, request, i) for i, request in enumerate(REQUESTS)])
-  for (context, continuation), (value, greedy) in zip(REQUESTS, ours):
+  requests = REQUESTS + [_greedy_request(folder, reference)]
+  ours = lm.loglikelihood([Instance("loglikelihood", {}, request, i) for i, request in enumerate(requests)])
+  greedy_seen = []
+  for (context, continuation), (value, greedy) in zip(requests, ours):
     ctx, cont = _split(folder, context, continuation)
     expected, expected_greedy = _reference(reference, ctx, cont)
     assert abs(value - expected) < 1e-4, (context, continuation, value, expected)
     assert greedy == expected_greedy
+    greedy_seen.append(greedy)
     # The boundary one token earlier or later scores other tokens: far outside the tolerance.
     for shifted in (_reference(reference, ctx[:-1], ctx[-1:] + cont)[0],
                     _reference(reference, ctx + cont[:1], cont[1:])[0] if len(cont) > 1 else None):
       assert shifted is None or abs(value - shifted) > 1e-2
-  one_by_one = _with(lm.harness, batch_size=1).loglikelihood(REQUESTS)
+  assert greedy_seen[-1] and not any(greedy_seen[:-1])
+  one_by_one = _with(lm.harness, batch_size=1).loglikelihood(requests)
   np.testing.assert_allclose([v for v, _ in one_by_one], [v for v, _ in ours], atol=1e-5)
   assert [g for _, g in one_by_one] == [g for _, g in ours]
+  h = lm.harness
+  scored = [h._scored(*h.encode_pair(*request)) for request in requests]  # pylint: disable=protected-access
+  chunked = likelihood.exact(h.model, h.variables, scored, head_chunk=4)  # the head 4 targets at a time
+  np.testing.assert_allclose([v for v, _ in chunked], [v for v, _ in ours], atol=1e-5)
+  assert [g for _, g in chunked] == greedy_seen
 
 
 def test_rolling_windows_are_the_harness_windows_and_score_like_transformers(lm, checkpoint):
@@ -131,8 +154,8 @@ def test_elbo_is_a_deterministic_per_request_bound(lm):
   exact = lm.harness.loglikelihood(requests)
   assert all(np.isfinite(v) and v < 0 for v, _ in values)
   assert [g for _, g in values] == [g for _, g in exact]  # is_greedy comes from the encoder
-  again = bound.loglikelihood(requests[::-1])[::-1]  # other neighbours in the batch, same keys
-  np.testing.assert_allclose([v for v, _ in again], [v for v, _ in values], rtol=1e-5)
+  alone = [bound.loglikelihood([request])[0][0] for request in requests]  # other rows, other places
+  np.testing.assert_allclose(alone, [v for v, _ in values], rtol=1e-5)
   other_seed = _with(bound, seed=1).loglikelihood(requests)
   assert [v for v, _ in other_seed] != [v for v, _ in values]
 
@@ -142,12 +165,12 @@ def _generate(harness, context, **kwargs):
   return text, harness.generation_stats[0]
 
 
-def _first_unique_pair(text, start=1):
-  """A two-character printable substring of `text` whose first occurrence is at its index >= start."""
-  for i in range(start, len(text) - 1):
-    piece = text[i:i + 2]
-    if piece.isprintable() and "\ufffd" not in piece and not piece.isspace() and text.find(piece) == i:
-      return i, piece
+def _first_unique_char(text, start=1):
+  """(index, character) of the first printable character of `text` at or after `start` that does not
+  occur before it, or None."""
+  for i in range(start, len(text)):
+    if text[i].isprintable() and not text[i].isspace() and text[i] != "\ufffd" and text.find(text[i]) == i:
+      return i, text[i]
   return None
 
 
@@ -160,16 +183,18 @@ def test_a_stop_string_cuts_at_its_earliest_occurrence_and_ends_the_canvases(lm)
   first_stats = list(harness.generation_stats)
   picked = None
   for i, context in enumerate(contexts):
-    assert full[i].startswith(first[i].rstrip("\ufffd"))  # canvas 0 is the same whatever follows
-    pair = _first_unique_pair(first[i])
-    late = _first_unique_pair(full[i], len(first[i]) + 1)
-    if stats[i].ended_by == "length" and pair and late and late[1] not in first[i]:
-      picked = i, context, pair, late
+    if not full[i].startswith(first[i]):  # bytes of a later canvas re-decoded canvas 0's (module docstring)
+      continue
+    early = _first_unique_char(first[i])
+    later = early and _first_unique_char(first[i], early[0] + 1)  # in the same canvas, after it
+    late = _first_unique_char(full[i], len(first[i]))  # only in a later canvas
+    if stats[i].ended_by == "length" and early and later and late and late[1] not in first[i]:
+      picked = i, context, early, later, late
       break
   assert picked is not None, (full, stats)
-  i, context, (at, stop), (_, late_stop) = picked
+  i, context, (at, stop), (_, later_stop), (_, late_stop) = picked
   assert stats[i].canvases == 3 and first_stats[i].canvases == 1
-  text, stat = _generate(harness, context, max_gen_toks=3 * C, until=[late_stop, stop])
+  text, stat = _generate(harness, context, max_gen_toks=3 * C, until=[late_stop, later_stop, stop])
   assert text == first[i][:at]
   assert (stat.canvases, stat.passes, stat.ended_by) == (1, first_stats[i].passes, "stop string")
   assert stat.passes < stats[i].passes

@@ -32,10 +32,14 @@ generate_until (context, gen_kwargs) -> text: the block-diffusion sampler, canva
     of the call before (`cache=`, `return_cache=`). After each canvas every row is checked: a stop
     token (the sampler's) ends it, and so does a stop string in the text decoded so far (an incomplete
     trailing character held back): no further canvas is generated for that row, and a batch stops
-    when all its rows have. This is exact, not a heuristic: decoding a longer token list only appends
-    text, so the earliest stop string found after a canvas is the earliest in any longer output. The
-    output is the text up to the first stop token, cut to max_gen_toks tokens, cut before the earliest
-    stop string. `generation_stats` records per request the denoiser passes and canvases it took.
+    when all its rows have. The output is the decoded text of the tokens up to the first stop token
+    (at most max_gen_toks), cut before the earliest stop string: the check and the cut read the same
+    text, so stopping early never changes it where decoding a longer token list only appends text (any
+    text tokenizer, up to an incomplete trailing character, which the check holds back). The one case
+    where later tokens re-decode earlier ones: a byte-fallback run that turns out not to be UTF-8 decodes
+    to U+FFFD as a whole, so its valid bytes can read differently once more bytes follow; then the output
+    is that of the tokens up to the canvas with the stop string. `generation_stats` records per request
+    the denoiser passes and canvases it took.
   - one key per request, from the seed, its prompt tokens and its occurrence (repeats differ), folded
     with the canvas index: a result depends neither on batch size nor on the request's neighbours.
     Batches are padded to `batch_size` rows, so each prompt bucket compiles one program.

@@ -7,8 +7,10 @@ j predicts the token after it). The harness builds them from text (`evaluation.h
 
 `exact`: one encoder pass; the hidden states at the target positions go through the model's own head
 (the tied embedding, the float32 soft-cap: `Embedder.decode`, what the AR loss reads), log_softmax,
-summed over the targets; `is_greedy` when every target is the argmax. Requests are batched right-padded
-to a multiple of `bucket` so that nearby lengths share one compiled program.
+summed over the targets; `is_greedy` when every target is the argmax. The head runs over at most
+`head_chunk` target positions at a time (a rolling window may have thousands, and the released vocabulary
+is 262k). Requests are batched right-padded to a multiple of `bucket` so that nearby lengths share one
+compiled program.
 
 `elbo`: log p(continuation | context) >= -NELBO, block by block as the model generates: the clean
 context and earlier canvases of the continuation sit in the cache (one encoder pass), and each canvas
@@ -36,6 +38,7 @@ import numpy as np
 
 Array = jax.Array
 Request = tuple[Sequence[int], Sequence[int]]  # (inputs, targets)
+HEAD_CHUNK = 256  # target positions per pass of the vocabulary head in `exact`
 
 
 def bucketed(n: int, bucket: int) -> int:
@@ -71,22 +74,33 @@ def _head(module, x):
   return module.embedder.decode(x)
 
 
-@functools.partial(jax.jit, static_argnames=("model",))
-def _exact(model, variables, inputs, lengths, targets, positions, mask):
+@functools.partial(jax.jit, static_argnames=("model", "chunk"))
+def _exact(model, variables, inputs, lengths, targets, positions, mask, *, chunk: int):
   hidden, _ = model.apply(variables, inputs, num_tokens=lengths, return_hidden=True, method=model.encode)
   picked = jnp.take_along_axis(hidden, positions[..., None], axis=1)  # [B, T, D]
-  logits = model.apply(variables, picked, method=_head)  # [B, T, V] float32, soft-capped
-  log_p = jax.nn.log_softmax(logits, axis=-1)
-  token_log_p = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]  # [B, T]
-  greedy = (jnp.argmax(logits, axis=-1) == targets) | ~mask
-  return jnp.sum(jnp.where(mask, token_log_p, 0.0), axis=-1), jnp.all(greedy, axis=-1)
+  b, t, d = picked.shape
+
+  def score(part):
+    x, target = part  # [B, chunk, D], [B, chunk]
+    logits = model.apply(variables, x, method=_head)  # [B, chunk, V] float32, soft-capped
+    log_p = jax.nn.log_softmax(logits, axis=-1)
+    return (jnp.take_along_axis(log_p, target[..., None], axis=-1)[..., 0],
+            jnp.argmax(logits, axis=-1) == target)
+
+  split = lambda x: jnp.moveaxis(x.reshape(b, t // chunk, chunk, *x.shape[2:]), 1, 0)
+  token_log_p, hits = jax.lax.map(score, (split(picked), split(targets)))  # [T / chunk, B, chunk]
+  token_log_p, hits = (jnp.moveaxis(x, 0, 1).reshape(b, t) for x in (token_log_p, hits))
+  return jnp.sum(jnp.where(mask, token_log_p, 0.0), axis=-1), jnp.all(hits | ~mask, axis=-1)
 
 
 def exact(model, variables, requests: Sequence[Request], *, bucket: int = 64,
-          target_bucket: int = 16) -> list[tuple[float, bool]]:
-  """(summed log-probability of the targets, is_greedy) per request, in one padded batch."""
-  arrays = _pad_batch(requests, model.config.pad_id, bucket, target_bucket)
-  log_p, greedy = jax.device_get(_exact(model, variables, *map(jnp.asarray, arrays)))
+          head_chunk: int = HEAD_CHUNK) -> list[tuple[float, bool]]:
+  """(summed log-probability of the targets, is_greedy) per request, in one padded batch; the head runs
+  over `head_chunk` target positions at a time, so a long window never holds all its [T, V] logits."""
+  longest = max(len(t) for _, t in requests)
+  chunk = min(head_chunk, bucketed(longest, 16))
+  arrays = _pad_batch(requests, model.config.pad_id, bucket, chunk)
+  log_p, greedy = jax.device_get(_exact(model, variables, *map(jnp.asarray, arrays), chunk=chunk))
   return [(float(lp), bool(g)) for lp, g in zip(log_p, greedy)]
 
 
