@@ -7,7 +7,9 @@ setuptools.setup(
     version="0.1.0",
     description="DiffusionGemma block diffusion in JAX/Flax: train, sample, convert, scale.",
     # benchmarks/: side-by-side and component benchmarks, `python -m benchmarks.<name>` from anywhere.
-    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*", "benchmarks"]),
+    # benchmarks/: side-by-side and component benchmarks; projects/: worked projects (python -m projects.<name>.<module>).
+    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*", "benchmarks", "projects",
+                                               "projects.*"]),
     python_requires=">=3.10",
     install_requires=[
         "jax==0.10.2",
@@ -30,7 +32,9 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
-                 "imageio>=2.38", "av>=14"],
+                 "imageio>=2.38", "av>=14", "lm-eval==0.4.13"],
+        # lm-evaluation-harness: the `diffusiongemma` model class (build/harness.py) and its script.
+        "eval": ["lm-eval==0.4.13"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.

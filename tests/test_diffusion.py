@@ -81,6 +81,52 @@ def test_noise_processes_for_sampling():
   np.testing.assert_array_equal(fixed, accepted)
 
 
+def _path_kl_rate(logits, clean, noisy, t):
+  """The uniform-noise NELBO integrand written out: sum over y != z of R' - R + R log(R / R'), float64."""
+  k = logits.shape[-1]
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  alpha = 1.0 - t
+  true = alpha * (np.arange(k) == clean) + (1 - alpha) / k
+  model = alpha * p + (1 - alpha) / k
+  total = 0.0
+  for y in range(k):
+    if y != noisy:
+      rate, model_rate = true[y] / true[noisy] / (k * alpha), model[y] / model[noisy] / (k * alpha)
+      total += model_rate - rate + rate * np.log(rate / model_rate)
+  return total
+
+
+def test_uniform_nelbo_terms_equal_the_path_kl_rate_written_out():
+  rng = np.random.default_rng(0)
+  k, n = 7, 12
+  logits = 3.0 * rng.standard_normal((n, k))
+  clean = rng.integers(0, k, n)
+  noisy = np.where(np.arange(n) % 2 == 0, clean, rng.integers(0, k, n))  # clean and corrupted positions
+  t = rng.uniform(0.01, 0.99, n)
+  terms = diffusion.UniformNoise(k).nelbo_terms(jnp.asarray(logits, jnp.float32), jnp.asarray(clean),
+                                                jnp.asarray(noisy), None, jnp.asarray(t, jnp.float32))
+  expected = [_path_kl_rate(logits[i], clean[i], noisy[i], t[i]) for i in range(n)]
+  np.testing.assert_allclose(terms, expected, rtol=2e-5, atol=1e-6)
+  assert (np.asarray(terms) > 0).all()
+  perfect = np.where(np.arange(k)[None] == clean[:, None], 0.0, -1e4)  # p = e_x0: the rates agree
+  zero = diffusion.UniformNoise(k).nelbo_terms(jnp.asarray(perfect, jnp.float32), jnp.asarray(clean),
+                                               jnp.asarray(noisy), None, jnp.asarray(t, jnp.float32))
+  np.testing.assert_allclose(zero, 0.0, atol=1e-5)
+
+
+def test_masked_nelbo_terms_are_the_weighted_loss():
+  noise = diffusion.MaskedNoise(V)
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.standard_normal((3, 5, V)), jnp.float32)
+  clean = jnp.asarray(rng.integers(0, V - 1, (3, 5)))
+  noisy, corrupted = noise.corrupt(jax.random.PRNGKey(2), clean, jnp.float32(0.5))
+  t = jnp.full((3, 5), 0.4)
+  ce = -jnp.take_along_axis(jax.nn.log_softmax(noise.prepare_logits(logits)), clean[..., None], -1)[..., 0]
+  np.testing.assert_allclose(noise.nelbo_terms(logits, clean, noisy, corrupted, t),
+                             np.where(corrupted, ce / 0.4, 0.0), rtol=1e-6)
+
+
 def test_bad_noise_configs():
   with pytest.raises(ValueError, match="Unknown config.diffusion.noise 'gaussian'"):
     dg.build.noise(_config(noise="gaussian"))

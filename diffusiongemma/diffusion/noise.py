@@ -20,6 +20,17 @@ ELBO: cross-entropy on masked positions only, weighted by 1/t, so its mean per t
 log-likelihood (`loss_is_elbo`). The model never has to predict the mask token, so its logit is removed.
 Sampling starts from all mask tokens; accepted tokens are fixed for good; the others stay masked. The
 mask token is the last id of the vocabulary unless one is named; the tokenizer must not use it.
+
+Likelihood bound (`nelbo_terms`, what `evaluation.likelihood` estimates with samples of t): per position,
+the integrand over t of the continuous-time negative ELBO of the process, for a model whose reverse
+process is parameterised by its clean-token prediction softmax(logits). Masked: the MDLM term, 1/t x the
+cross-entropy on masked positions (the weighted loss itself). Uniform (the released model trains with
+plain cross-entropy, which is not a bound): with K tokens, alpha = 1 - t, the true and the model's
+marginals r = q_t(. | x0) = alpha e_x0 + (1 - alpha) / K and m = alpha p + (1 - alpha) / K, forward rate
+beta = 1 / alpha, the reverse rates out of the noisy token z are R(z -> y) = beta / K r_y / r_z and the
+model's R'(z -> y) = beta / K m_y / m_z, and the term is the path-measure KL rate
+sum_{y != z} R' - R + R log(R / R'), which is >= 0 and 0 when p = e_x0 (Campbell et al. 2022; the
+uniform-state ELBO of Schiff et al. 2024 and Sahoo et al. 2025).
 """
 
 from __future__ import annotations
@@ -57,6 +68,38 @@ class NoiseProcess(Protocol):
 
   def renoise(self, keys: Array, canvas: Array, sampled: Array, accepted: Array,
               fixed: Array) -> tuple[Array, Array]: ...
+
+  def nelbo_terms(self, logits: Array, clean: Array, noisy: Array, corrupted: Array, t: Array) -> Array: ...
+
+
+def _log_probs(logits: Array) -> Array:
+  return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def uniform_nelbo_terms(logits: Array, clean: Array, noisy: Array, t: Array) -> Array:
+  """The uniform-state term of the module docstring, per position: logits [..., K], clean, noisy and t [...].
+
+  Written with x = K r and x' = K m (x_y = 1 - alpha, and 1 - alpha + K alpha at x0), c = log(K alpha /
+  (1 - alpha)), so that log x'_y - log(1 - alpha) = softplus(c + log p_y) stays exact for tiny p_y:
+    term = beta [K alpha (1[z = x0] - p_z) / (x'_z x_z)
+                 + (sum_y r_y (log x_y - log x'_y) + log x'_z - log x_z) / x_z].
+  """
+  log_p = _log_probs(logits)  # [..., K]
+  k = log_p.shape[-1]
+  alpha = 1.0 - t.astype(jnp.float32)
+  c = jnp.log(k * alpha) - jnp.log1p(-alpha)  # [...]
+  lift = jax.nn.softplus(c[..., None] + log_p)  # [..., K]: log x'_y - log(1 - alpha)
+  lift_clean = jnp.take_along_axis(lift, clean[..., None], axis=-1)[..., 0]
+  lift_noisy = jnp.take_along_axis(lift, noisy[..., None], axis=-1)[..., 0]
+  p_noisy = jnp.exp(jnp.take_along_axis(log_p, noisy[..., None], axis=-1)[..., 0])
+  same = (noisy == clean).astype(jnp.float32)
+  softplus_c = jax.nn.softplus(c)
+  # sum_y r_y (log x_y - log x'_y): alpha at x0, (1 - alpha) / K spread over every y.
+  cross = alpha * (softplus_c - lift_clean) + (1.0 - alpha) / k * (softplus_c - jnp.sum(lift, axis=-1))
+  x_noisy = (1.0 - alpha) + k * alpha * same
+  model_noisy = (1.0 - alpha) + k * alpha * p_noisy
+  rates = k * alpha * (same - p_noisy) / (model_noisy * x_noisy)
+  return (rates + (cross + lift_noisy - same * softplus_c) / x_noisy) / alpha
 
 
 def uniform_tokens(keys: Array, length: int, vocab_size: int) -> Array:
@@ -110,6 +153,11 @@ class UniformNoise:
     fresh = uniform_tokens(keys, canvas.shape[-1], self.vocab_size)
     return jnp.where(fixed, canvas, jnp.where(accepted, sampled, fresh)), fixed
 
+  def nelbo_terms(self, logits, clean, noisy, corrupted, t):
+    """Per-position integrand of the negative ELBO (module docstring); t broadcastable to `clean`."""
+    del corrupted  # a corrupted token may equal the clean one: the term reads the tokens themselves
+    return uniform_nelbo_terms(logits, clean, noisy, jnp.broadcast_to(t, clean.shape))
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskedNoise:
@@ -155,6 +203,13 @@ class MaskedNoise:
     del keys
     accepted = accepted & ~fixed
     return jnp.where(accepted, sampled, canvas), fixed | accepted
+
+  def nelbo_terms(self, logits, clean, noisy, corrupted, t):
+    """1/t x the cross-entropy of the clean token on masked positions (the MDLM bound), 0 elsewhere."""
+    del noisy
+    log_p = _log_probs(self.prepare_logits(logits))
+    ce = -jnp.take_along_axis(log_p, clean[..., None], axis=-1)[..., 0]
+    return self.loss_weights(corrupted, jnp.broadcast_to(t, clean.shape)) * ce
 
 
 # Noise process names (`ModelConfig.noise`, `config.diffusion.noise`) -> (vocab_size, mask_token_id) -> process.

@@ -1,0 +1,22 @@
+r"""Runs lm-evaluation-harness (0.4.x, `pip install -e '.[eval]'`) with the `diffusiongemma` model registered.
+
+Every argument is the harness's own (`lm-eval run --help`); this script only registers the model class
+(`diffusiongemma/build/harness.py`, where its --model_args are described) and hands over to the harness's
+command line. Examples (from the repository root):
+
+  # a transformers checkpoint on standard tasks (the hub must be reachable for their data)
+  python scripts/lm_eval_harness.py --model diffusiongemma \
+      --model_args hf_checkpoint=DIR,batch_size=8 --tasks arc_easy,hellaswag,gsm8k --output_path results/
+
+  # offline: the local tasks shipped with the tests
+  HF_DATASETS_OFFLINE=1 python scripts/lm_eval_harness.py --model diffusiongemma \
+      --model_args hf_checkpoint=DIR,dtype=float32 --include_path tests/harness_tasks \
+      --tasks dg_choice,dg_generate --output_path results/ --log_samples
+"""
+
+from lm_eval.__main__ import cli_evaluate
+
+import diffusiongemma.build.harness  # pylint: disable=unused-import  (registers the `diffusiongemma` model)
+
+if __name__ == "__main__":
+  cli_evaluate()  # reads sys.argv; no subcommand means `run`
