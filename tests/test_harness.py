@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")  # the checkpoint is written by transformer
 lm_eval_utils = pytest.importorskip("lm_eval.utils")  # the `eval` extra
 from diffusiongemma.build import harness as build_harness  # pylint: disable=g-import-not-at-top,wrong-import-position
 from lm_eval.api.instance import Instance  # pylint: disable=g-import-not-at-top,wrong-import-position
-import hf_reference  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchmarks import hf_reference  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 pytestmark = pytest.mark.hf
 ROOT = pathlib.Path(__file__).parent.parent
