@@ -6,7 +6,9 @@ setuptools.setup(
     name="diffusiongemma",
     version="0.1.0",
     description="DiffusionGemma block diffusion in JAX/Flax: train, sample, convert, scale.",
-    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*"]),
+    # benchmarks/: side-by-side and component benchmarks; projects/: worked projects (python -m projects.<name>.<module>).
+    packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*", "benchmarks", "projects",
+                                               "projects.*"]),
     package_data={"diffusiongemma.serving": ["static/*"]},  # the web page
     python_requires=">=3.10",
     install_requires=[

@@ -17,6 +17,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
@@ -31,6 +32,7 @@ MODES = {"one_canvas": False, "all_canvases": True}
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   root = pathlib.Path(_WORKDIR.value)
   results = {}

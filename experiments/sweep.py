@@ -90,6 +90,7 @@ def _plot(settings: list[dict], judge: str, path: pathlib.Path) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  dg.parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   bounds, steps = _grid(_BOUNDS.value, _STEPS.value)
   evaluation = build.generative_eval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,

@@ -94,6 +94,7 @@ def _fail(error: Exception) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  dg.parallel.enable_compilation_cache(_WORKDIR.value)
   try:
     chat = _chat()
     constraint = _constraint(chat)

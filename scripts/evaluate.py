@@ -21,6 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
@@ -41,6 +42,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   results = build.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value, num_batches=_NUM_BATCHES.value)
   if _GENERATIVE.value:

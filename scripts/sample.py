@@ -37,7 +37,7 @@ from ml_collections import config_flags
 import numpy as np
 
 import diffusiongemma as dg
-from diffusiongemma import benchmarks
+from benchmarks import measure
 from diffusiongemma import build
 from diffusiongemma.data import images as images_lib
 from diffusiongemma.diffusion import constraints as cons
@@ -142,6 +142,7 @@ def _infill(sampler, tokenizer, max_new: int):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  dg.parallel.enable_compilation_cache(_WORKDIR.value)
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config
@@ -157,7 +158,7 @@ def main(argv):
     rows = len(prompts)
     extra = {} if infill is None else dict(initial_canvas=np.tile(infill, (rows, 1)),
                                            given=np.tile(given, (rows, 1)))
-    timing = benchmarks.time_call(sampler.generate, weights.variables, prompts, rng, max_new,
+    timing = measure.time_call(sampler.generate, weights.variables, prompts, rng, max_new,
                                   return_trace=_SHOW_STEPS.value, images=images, constraint=constraint,
                                   **extra)
     out = timing.output
@@ -171,7 +172,7 @@ def main(argv):
     if _AR.value and (images is not None or extra or constraint is not None):
       print("autoregressive: skipped (the AR sampler takes no images, infilling or constraint)")
     elif _AR.value:
-      ar = benchmarks.time_call(ar_sampler.generate, weights.variables, prompts, rng, max_new)
+      ar = measure.time_call(ar_sampler.generate, weights.variables, prompts, rng, max_new)
       count = int(stats.new_token_counts(ar.output.tokens, cfg.pad_id).sum())
       print(f"autoregressive (greedy): {count} tokens, {count / ar.median:.1f} tokens/s, 1 token per forward; "
             f"compile {ar.compile_seconds:.2f} s, run {ar.median:.3f} s")

@@ -21,6 +21,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import training
 from projects.sudoku import data as sudoku
 from projects.sudoku import solve
@@ -55,6 +56,7 @@ def _weights(config, autoregressive: bool):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   config = _CONFIG.value
   try:

@@ -32,6 +32,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   build.train(_CONFIG.value, _WORKDIR.value)
 

@@ -72,7 +72,7 @@ def write_chat_checkpoint(folder, *, seed=0, **model_kwargs):
 
   Returns the reloaded transformers model. `model_kwargs` go to `hf_reference.make_tiny_hf`.
   """
-  import hf_reference  # pylint: disable=import-outside-toplevel  (torch)
+  from benchmarks import hf_reference  # pylint: disable=import-outside-toplevel  (torch)
   model_kwargs.setdefault("vocab_size", VOCAB_SIZE)
   model = hf_reference.make_tiny_hf(folder, seed=seed, **model_kwargs)
   write_tokenizer(folder, vocab_size=model_kwargs["vocab_size"])

@@ -1,6 +1,6 @@
 """Exact match with the transformers reference: a tiny random checkpoint loaded by `dg.convert.load_hf`.
 
-The reference model (tests/hf_reference.py) has every weight and every otherwise-constant scale drawn at
+The reference model (benchmarks/hf_reference.py) has every weight and every otherwise-constant scale drawn at
 random, sliding window 5, layers S S F F, 5 experts top-2, odd sizes. Prompts shorter and longer than the
 window. Tolerance 1e-4 (float32); measured: encoder <= 8e-6, decoder <= 5e-5 on logits of magnitude ~10.
 """
@@ -9,6 +9,7 @@ import functools
 import json
 import logging
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ import pytest
 import diffusiongemma as dg
 
 torch = pytest.importorskip("torch")
-hf_reference = pytest.importorskip("hf_reference")
+hf_reference = pytest.importorskip("benchmarks.hf_reference")
 
 pytestmark = pytest.mark.hf
 ATOL = 1e-4
@@ -79,6 +80,60 @@ def test_logits_match_reference(checkpoint, prompt_length):
     print(f"prompt {prompt_length}, {name}: max |ours - transformers| = {np.abs(ours - theirs).max():.1e}")
     np.testing.assert_allclose(ours, theirs, atol=ATOL)
   assert np.abs(with_sc - plain).max() > 1e-2  # the signal matters, so the comparison means something
+
+
+# Tiny widths at the depths where transformers zero-pads `per_layer_config` keys ("05", "11", ...).
+DEEP = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=8, global_head_dim=16,
+            num_global_key_value_heads=1, sliding_window=4, intermediate_size=16, moe_intermediate_size=8,
+            num_experts=3, top_k_experts=2, vocab_size=64, canvas_length=4)
+
+
+@pytest.mark.parametrize("num_layers", [12, 30])
+def test_deep_checkpoints_load_and_export_with_the_released_layer_pattern(tmp_path, num_layers):
+  """12 and 30 layers (5 sliding + 1 full, repeated; the last full), saved by transformers: loaded, the
+  logits equal transformers'; exported by save_hf, transformers' logits equal ours; read back exactly.
+  Branches damped (`branch_scale`), else float32 rounding grows ~1.3x per layer of a random network
+  (measured at 30 layers: 3.5e-3 on the denoiser's logits; damped: 3e-5)."""
+  types = hf_reference.released_layer_types(num_layers)
+  reference = hf_reference.make_tiny_hf(tmp_path / "hf", seed=num_layers, num_hidden_layers=num_layers,
+                                        layer_types=types, branch_scale=0.1, **DEEP)
+  saved = json.loads((tmp_path / "hf" / "config.json").read_text())["text_config"]["per_layer_config"]
+  assert sorted(saved) == [f"{i:02d}" for i in range(5, num_layers, 6)]  # zero-padded: what broke loading
+  config, params = dg.convert.load_hf(tmp_path / "hf")
+  assert config.layer_types == tuple(t.split("_")[0] for t in types)
+  assert (config.num_layers, config.full_head_dim, config.num_full_kv_heads) == (num_layers, 16, 1)
+  prompt = _tokens(num_layers, (2, 7), config.vocab_size)  # longer than the sliding window (4)
+  canvas = _tokens(num_layers + 1, (2, config.canvas_length), config.vocab_size)
+  encoder, decoder = _ours(params, jnp.asarray(prompt), jnp.asarray(canvas), None, None, config)
+  np.testing.assert_allclose(encoder, hf_reference.encoder_logits(reference, prompt), atol=ATOL)
+  np.testing.assert_allclose(decoder, hf_reference.decoder_logits(reference, prompt, canvas), atol=ATOL)
+
+  dg.convert.save_hf(config, params, tmp_path / "out", vision_from=tmp_path / "hf")
+  exported = hf_reference.load_hf(tmp_path / "out")
+  np.testing.assert_allclose(hf_reference.encoder_logits(exported, prompt), encoder, atol=ATOL)
+  np.testing.assert_allclose(hf_reference.decoder_logits(exported, prompt, canvas), decoder, atol=ATOL)
+  round_trip_config, round_trip = dg.convert.load_hf(tmp_path / "out")
+  assert round_trip_config == config
+  jax.tree.map(np.testing.assert_array_equal, round_trip, params)
+
+
+def test_per_layer_config_keys_are_layer_indices():
+  """Keys are read as integers ("05" is layer 5); anything else is refused, naming the key and the range."""
+  text = {"layer_types": ["sliding_attention"] * 11 + ["full_attention"], "vocab_size": 64, "hidden_size": 16,
+          "num_hidden_layers": 12, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+          "sliding_window": 4, "intermediate_size": 16, "num_experts": 3, "top_k_experts": 2,
+          "moe_intermediate_size": 8}
+  full = {"head_dim": 16, "num_key_value_heads": 1}
+  for keys in ({"11": full}, {11: full}, {"0011": full}):
+    config = dg.convert.config_from_hf({"text_config": {**text, "per_layer_config": keys}})
+    assert (config.full_head_dim, config.num_full_kv_heads) == (16, 1)
+  for keys, message in (({"12": full}, "key '12' is out of range; layer indices are integers in [0, 12)"),
+                        ({"-1": full}, "key '-1' is not a layer index; layer indices are integers in [0, 12)"),
+                        ({"eleven": full}, "key 'eleven' is not a layer index"),
+                        ({"11": full, "011": full}, "names layer 11 twice"),
+                        ({"11": full, "3": {"head_dim": 4}}, "per_layer_config['3'] sets head_dim=4 on a sliding")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      dg.convert.config_from_hf({"text_config": {**text, "per_layer_config": keys}})
 
 
 def test_sharded_checkpoint_loads_the_same(checkpoint, tmp_path):

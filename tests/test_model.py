@@ -12,6 +12,7 @@ import pytest
 import diffusiongemma as dg
 from diffusiongemma.build.config import load_config_file
 from diffusiongemma.model import moe
+from diffusiongemma.model.config import default_moe_impl
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 
@@ -176,6 +177,24 @@ def test_sparse_experts_equal_dense(impl, num_tokens, skew):
   want = jax.jit(dense.apply)(variables, x, weights, experts)
   got = jax.jit(moe.Experts(TINY.replace(moe_impl=impl)).apply)(variables, x, weights, experts)
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_moe_impl_auto_is_chosen_by_the_backend_once_and_overridable(monkeypatch):
+  """"auto" (the default) becomes `ragged` on GPU/TPU and `grouped` on CPU when the config is built (one
+  backend query), and the config keeps the concrete choice (replace, to_dict, the sampler's settings); an
+  explicit choice is never changed. The backend is faked: no GPU needed."""
+  queries = []
+  for backend, want in (("cpu", "grouped"), ("gpu", "ragged"), ("tpu", "ragged")):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: queries.append(b) or b)
+    config = dg.ModelConfig(**{**TINY.to_dict(), "moe_impl": "auto"})
+    assert config.moe_impl == want and queries[-1:] == [backend]
+    assert dg.ModelConfig(**{k: v for k, v in TINY.to_dict().items() if k != "moe_impl"}).moe_impl == want
+    count = len(queries)
+    assert config.replace(top_k=1).moe_impl == want and config.to_dict()["moe_impl"] == want
+    assert dg.Sampler(dg.DiffusionGemma(config), dg.SamplerConfig()).settings()["moe_impl"] == want
+    assert TINY.replace(moe_impl="dense").moe_impl == "dense"
+    assert len(queries) == count  # a built config is never resolved again
+  assert default_moe_impl("cuda") == "ragged" and default_moe_impl("METAL") == "grouped"
 
 
 def test_grouped_experts_skip_tokens_and_leave_the_others_unchanged():

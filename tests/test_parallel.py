@@ -81,6 +81,6 @@ def test_sharded_train_step_equals_one_device():
 @pytest.mark.hf
 def test_sharded_streaming_load(tmp_path):
   pytest.importorskip("torch")
-  hf_reference = pytest.importorskip("hf_reference")
+  hf_reference = pytest.importorskip("benchmarks.hf_reference")
   hf_reference.make_tiny_hf(tmp_path, seed=0, max_shards=4, num_experts=8)
   _run_on_8_devices(tmp_path)

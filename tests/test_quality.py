@@ -1,5 +1,5 @@
 """Generative quality: the metrics on hand-built inputs, the AR-baseline objective, and the binaries
-(evaluate.py --generative, sweep.py, benchmark.py, sample.py) end to end on tiny workdirs trained for a few
+(evaluate.py --generative, sweep.py, benchmarks/suite.py, sample.py) end to end on tiny workdirs trained for a few
 steps with masked noise: each binary must sample with the noise the model was trained with."""
 
 import functools
@@ -119,8 +119,9 @@ def workdirs(corpus, tmp_path_factory):  # noqa: F811
 
 
 def _with_script(args, script, *extra):
-  """train.py's command line (config and overrides) for another binary, without the train flags."""
-  return [args[0], str(ROOT / "scripts" / script), *args[2:], *extra]
+  """train.py's command line (config and overrides) for another binary (`script`: its path from the
+  repository root), without the train flags."""
+  return [args[0], str(ROOT / script), *args[2:], *extra]
 
 
 def _check_masked_settings(settings, **expected):
@@ -134,7 +135,7 @@ def _check_masked_settings(settings, **expected):
 @pytest.mark.slow
 def test_evaluate_generative_end_to_end(corpus, workdirs):  # noqa: F811
   diffusion_dir, ar_dir = workdirs
-  args = _with_script(_masked_args(corpus, diffusion_dir, 4), "evaluate.py", "--generative",
+  args = _with_script(_masked_args(corpus, diffusion_dir, 4), "scripts/evaluate.py", "--generative",
                       "--num_samples=3", "--batch_size=2", "--max_new_tokens=8",
                       f"--baseline_workdir={ar_dir}", "--config.sampler.max_denoising_steps=6")
   _run(args)
@@ -155,7 +156,7 @@ def test_evaluate_generative_end_to_end(corpus, workdirs):  # noqa: F811
 def test_sweep_writes_json_and_png_with_the_defaults_marked(corpus, workdirs, tmp_path):  # noqa: F811
   diffusion_dir, ar_dir = workdirs
   output = tmp_path / "sweep.json"
-  args = _with_script(_masked_args(corpus, diffusion_dir, 4), "sweep.py", "--entropy_bounds=1.0",
+  args = _with_script(_masked_args(corpus, diffusion_dir, 4), "experiments/sweep.py", "--entropy_bounds=1.0",
                       "--max_steps=48", "--num_samples=2", "--batch_size=2", "--max_new_tokens=8",
                       f"--baseline_workdir={ar_dir}", f"--output={output}")
   result = _run(args)
@@ -175,12 +176,12 @@ def test_sweep_writes_json_and_png_with_the_defaults_marked(corpus, workdirs, tm
 
 @pytest.mark.slow
 def test_benchmark_samples_with_the_trained_noise_and_reports_the_samplers_statistics(corpus, workdirs):  # noqa: F811
-  """benchmark.py on the masked workdir: the recorded settings are the masked model's, and its statistics
+  """benchmarks/suite.py on the masked workdir: the recorded settings are the masked model's, and its statistics
   are the sampler's own: the same sampler built here, on the recorded prompts, gives the same per-row
   tokens per forward, and the summaries follow from them."""
   diffusion_dir, _ = workdirs
   output = diffusion_dir / "bench" / "benchmark.json"
-  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "benchmark.py", "--quick",
+  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "benchmarks/suite.py", "--quick",
                              "--max_new_tokens=16", "--prompt_length=8", f"--output={output}",
                              "--config.sampler.max_denoising_steps=6"), timeout=900)
   results = json.loads(output.read_text())
@@ -223,7 +224,7 @@ def test_benchmark_samples_with_the_trained_noise_and_reports_the_samplers_stati
 @pytest.mark.slow
 def test_sample_script_samples_with_the_trained_noise(corpus, workdirs):  # noqa: F811
   diffusion_dir, _ = workdirs
-  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "sample.py", "--prompt=def f(",
+  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "scripts/sample.py", "--prompt=def f(",
                              "--max_new_tokens=8", "--config.sampler.max_denoising_steps=4"))
   assert "noise masked" in result.stdout and f"never_token {VOCAB}" in result.stdout
   assert "step 4" in result.stdout

@@ -21,7 +21,7 @@ from diffusiongemma.sampling import sampler as sampler_lib
 from diffusiongemma.sampling import vocab
 
 torch = pytest.importorskip("torch")
-hf_reference = pytest.importorskip("hf_reference")
+hf_reference = pytest.importorskip("benchmarks.hf_reference")
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as hf_gen  # noqa: E402
 
 pytestmark = pytest.mark.hf

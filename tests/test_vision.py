@@ -1,7 +1,7 @@
 """Images and video in the prompt: preprocessing, the Gemma 4 vision encoder, encoding with images.
 
 The `hf` tests compare with transformers on a tiny random DiffusionGemma whose vision tower is real and
-randomized too (tests/hf_reference.py: 2 layers, width 24, 4 heads over 2 KV heads, 4-pixel patches,
+randomized too (benchmarks/hf_reference.py: 2 layers, width 24, 4 heads over 2 KV heads, 4-pixel patches,
 standardised), with bidirectional image attention (`use_bidirectional_attention="vision"`, as released).
 Tolerance 1e-4 in float32.
 """
@@ -227,7 +227,7 @@ def test_released_vision_parameter_count():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   pytest.importorskip("torch")
-  hf_reference = pytest.importorskip("hf_reference")  # pylint: disable=redefined-outer-name
+  hf_reference = pytest.importorskip("benchmarks.hf_reference")  # pylint: disable=redefined-outer-name
   path = tmp_path_factory.mktemp("hf_vision")
   model = hf_reference.make_tiny_hf(path, seed=3, vision_config=HF_VISION, image_token_ids=(IMAGE, BEGIN, END),
                                     use_bidirectional_attention="vision")

@@ -1,6 +1,7 @@
 """The streamed vocabulary head (`sampling.vocab`): one chunk is the unchunked path exactly, chunks equal it,
 the draw is an exact inverse CDF, and the sampler gives the same tokens with any chunk size."""
 
+import dataclasses
 import functools
 
 import jax
@@ -17,16 +18,16 @@ V, D = 61, 16
 B, C = 2, 5
 
 
-def _inputs(seed=0, spread=3.0):
+def _inputs(seed=0, spread=3.0, vocab_size=V):
   rng = np.random.default_rng(seed)
-  table = jnp.asarray(rng.standard_normal((V, D)) * spread / np.sqrt(D), jnp.float32)
+  table = jnp.asarray(rng.standard_normal((vocab_size, D)) * spread / np.sqrt(D), jnp.float32)
   hidden = jnp.asarray(rng.standard_normal((B, C, D)), jnp.float32)
   uniforms = jnp.asarray(rng.uniform(size=(B, C)), jnp.float32)
   return table, hidden, uniforms
 
 
-def _head(chunk_size=None, never_token=None, softcap=30.0):
-  return vocab.VocabHead(vocab_size=V, softcap=softcap, dtype="float32", never_token=never_token,
+def _head(chunk_size=None, never_token=None, softcap=30.0, **fields):
+  return vocab.VocabHead(**{"vocab_size": V, **fields}, softcap=softcap, dtype="float32", never_token=never_token,
                          chunk_size=chunk_size)
 
 
@@ -44,11 +45,12 @@ def _streamed(head, table, hidden, temperature, uniforms, masked=False):
 def _unchunked(table, hidden, temperature, uniforms, never_token=None):
   """The logits path: the model's LM head, the noise's never token, the temperature, then token_stats and
   the embedder's soft_encode on the whole [B, C, V] logits."""
+  vocab_size = table.shape[0]
   logits = layers.head_logits(hidden, table, jnp.float32, 30.0)
   if never_token is not None:
-    logits = dg.diffusion.MaskedNoise(V, never_token).prepare_logits(logits)
+    logits = dg.diffusion.MaskedNoise(vocab_size, never_token).prepare_logits(logits)
   scaled = logits / temperature
-  embedder = layers.Embedder(V, D, 30.0, jnp.float32, jnp.float32)
+  embedder = layers.Embedder(vocab_size, D, 30.0, jnp.float32, jnp.float32)
   soft = embedder.apply({"params": {"input_embedding": table}}, scaled, method=embedder.soft_encode)
   return vocab.token_stats(scaled, uniforms), soft
 
@@ -149,15 +151,84 @@ def test_draw_only_where_needed_and_rows_independent():
 def test_bad_chunk_size_is_rejected():
   with pytest.raises(ValueError, match="vocab_chunk_size=0"):
     dg.SamplerConfig(vocab_chunk_size=0)
+  with pytest.raises(ValueError, match="vocab_chunk_size='big'"):
+    dg.SamplerConfig(vocab_chunk_size="big")
+  with pytest.raises(ValueError, match="vocab_budget_mib=0"):
+    dg.SamplerConfig(vocab_budget_mib=0)
   with pytest.raises(ValueError, match="vocab_chunk_size=0"):
     _head(0)
+  assert dg.SamplerConfig().vocab_chunk_size == "auto"
 
 
-def test_sampler_tokens_do_not_depend_on_the_chunk_size():
+def test_auto_chunks_follow_the_memory_budget():
+  """One chunk when a float32 [B, C, V] array fits the budget, else the fewest chunks (multiples of 128
+  tokens) whose [B, C, U] arrays fit it: at the released vocabulary and the default 256 MiB, one chunk at
+  batch 1, 32,768 tokens at batch 8."""
+  released = vocab.VocabHead(vocab_size=262_144, softcap=30.0, dtype="float32", chunk_size="auto")
+  assert released.chunk_for(1 * 256) is None
+  assert released.chunk_for(8 * 256) == 32_768
+  assert dataclasses.replace(released, budget_mib=2048).chunk_for(8 * 256) is None
+  assert dataclasses.replace(released, chunk_size=1024).chunk_for(1 * 256) == 1024  # a number is kept
+  capped = dataclasses.replace(released, auto_max_chunk=1024)  # what a CPU gets
+  assert capped.chunk_for(1 * 256) == capped.chunk_for(8 * 256) == 1024
+  for vocab_size, positions, budget_mib in ((262_144, 32 * 256, 256), (100_003, 3 * 256, 50), (5000, 1, 0.01),
+                                            (1000, 10, 0.001)):
+    head = vocab.VocabHead(vocab_size=vocab_size, softcap=None, dtype="float32", chunk_size="auto",
+                           budget_mib=budget_mib)
+    budget, column = budget_mib * 2**20, 4 * positions
+    size = head.chunk_for(positions)
+    if column * vocab_size <= budget:
+      assert size is None
+      continue
+    chunks = -(-vocab_size // size)
+    assert size % 128 == 0 and size < vocab_size, size
+    assert (size - 127) * column <= budget or size == 128  # fits, up to rounding to the multiple
+    assert chunks == -(-vocab_size // max(128, int(budget // column) // 128 * 128))  # as few as fit
+
+
+def test_auto_cap_is_chosen_by_the_backend_when_the_head_is_built(monkeypatch):
+  """"auto" keeps 1024-token chunks on a CPU (faster there) and only the budget's on GPU/TPU; the backend is
+  asked once, by `for_model` (faked here: no GPU needed); a number or None is never capped."""
+  config = dg.ModelConfig(vocab_size=262_144, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                          head_dim=8, num_full_kv_heads=1, full_head_dim=8, moe_impl="dense")
+  for backend, cap, batch_1 in (("cpu", 1024, 1024), ("gpu", None, None), ("tpu", None, None)):
+    monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
+    head = vocab.VocabHead.for_model(config, chunk_size="auto")
+    assert head.auto_max_chunk == cap and head.chunk_for(256) == batch_1
+    assert head.chunk_for(8 * 256) == (1024 if cap else 32_768)
+    assert vocab.VocabHead.for_model(config, chunk_size=None).auto_max_chunk is None
+  assert vocab.VocabHead.for_model(config.replace(vocab_size=1000), chunk_size="auto").chunk_for(256) is None
+
+
+@pytest.mark.parametrize("never_token", [None, 7])
+def test_auto_chunks_equal_the_unchunked_path(never_token):
+  """Whatever "auto" chooses (one chunk under a roomy budget, 4 ragged chunks under a tight one), the
+  statistics and every draw are the unchunked path's."""
+  table, hidden, uniforms = _inputs(5, vocab_size=1000)  # larger than one 128-token chunk
+  temperature = jnp.float32(0.9)
+  want, want_soft = _unchunked(table, hidden, temperature, uniforms, never_token)
+  for budget_mib, chunk in ((1.0, None), (0.01, 256)):  # [2, 5, 1000] float32 is 40,000 bytes
+    head = _head("auto", never_token, vocab_size=1000, budget_mib=budget_mib)
+    assert head.chunk_for(B * C) == chunk
+    got, sample = _streamed(head, table, hidden, temperature, uniforms)
+    np.testing.assert_allclose(got.stats.entropy, want.entropy, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.soft_embedding, want_soft, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got.stats.argmax, want.argmax)
+    np.testing.assert_array_equal(sample, want.sample)
+
+
+@pytest.mark.parametrize("vocab_size, chunk, budget_mib, chunks", [(61, 16, 256, 4), (61, "auto", 256, 1),
+                                                                  (300, "auto", 0.02, 3)])
+def test_sampler_tokens_do_not_depend_on_the_chunk_size(vocab_size, chunk, budget_mib, chunks):
+  """The same tokens and passes as one chunk (None) with 16-token chunks and with "auto", under a budget
+  that keeps one chunk and one that streams (3 x 128 tokens for [3, 8, 300])."""
   from test_sampling import CONFIG, TINY, random_params, _keys, _prompts  # pylint: disable=g-import-not-at-top
-  model = dg.DiffusionGemma(TINY)
+  model = dg.DiffusionGemma(TINY.replace(vocab_size=vocab_size))
   params = random_params(model)
-  outs = [dg.Sampler(model, CONFIG.replace(vocab_chunk_size=size)).generate(
-      params, _prompts(0), _keys(1, 2, 3), 2 * TINY.canvas_length) for size in (None, 16)]
+  samplers = [dg.Sampler(model, CONFIG.replace(vocab_chunk_size=s, vocab_budget_mib=budget_mib))
+              for s in (None, chunk)]
+  size = samplers[1].head.chunk_for(3 * TINY.canvas_length)
+  assert (1 if size is None else -(-vocab_size // size)) == chunks
+  outs = [s.generate(params, _prompts(0), _keys(1, 2, 3), 2 * TINY.canvas_length) for s in samplers]
   np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
   np.testing.assert_array_equal(outs[0].canvas_passes, outs[1].canvas_passes)

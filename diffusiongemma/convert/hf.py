@@ -117,6 +117,41 @@ def _mlp(path: tuple[str, ...], key: Callable[[str], tuple[str, ...]]) -> Iterat
   yield _Entry(path + ("linear",), key("down_proj.weight"), *_linear())
 
 
+_FULL_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # what a full layer's entry may change
+
+
+def _per_layer_config(text: Mapping[str, Any], layer_types: list[str]) -> dict[int, dict[str, Any]]:
+  """`text_config.per_layer_config` keyed by layer index (int), validated.
+
+  transformers writes the keys as strings zero-padded to the widest index ("05", "11" once a model has 10
+  or more layers; the released 30-layer model: "05" ... "29"), and reads them back with `int()`; so do we.
+  A key that is not a non-negative integer, is out of range, or names a layer twice ("5" and "05") is
+  refused, and so is an override this converter would otherwise drop: on a full-attention layer anything
+  but `_FULL_LAYER_OVERRIDES`, on a sliding layer anything, unless it equals the global value.
+  """
+  num_layers = len(layer_types)
+  allowed = f"layer indices are integers in [0, {num_layers}) (num_hidden_layers={num_layers})"
+  parsed: dict[int, dict[str, Any]] = {}
+  for key, overrides in (text.get("per_layer_config") or {}).items():
+    text_key = str(key)
+    if isinstance(key, bool) or not (isinstance(key, int) or text_key.isascii() and text_key.isdigit()):
+      raise ValueError(f"config.json: per_layer_config key {key!r} is not a layer index; {allowed}.")
+    index = int(key)
+    if not 0 <= index < num_layers:
+      raise ValueError(f"config.json: per_layer_config key {key!r} is out of range; {allowed}.")
+    if index in parsed:
+      raise ValueError(f"config.json: per_layer_config names layer {index} twice (key {key!r}); {allowed}.")
+    overrides = dict(overrides or {})
+    kept = _FULL_LAYER_OVERRIDES if layer_types[index] == FULL else ()
+    for name, value in overrides.items():
+      if name not in kept and (name not in text or value != text[name]):
+        raise ValueError(f"config.json: per_layer_config[{key!r}] sets {name}={value!r} on a "
+                         f"{layer_types[index]} layer, which this converter cannot represent (a full layer may "
+                         f"override {list(_FULL_LAYER_OVERRIDES)}; a sliding layer nothing).")
+    parsed[index] = {k: v for k, v in overrides.items() if k in kept}
+  return parsed
+
+
 def config_from_hf(hf_config: dict[str, Any], **overrides) -> ModelConfig:
   """Our ModelConfig from a transformers DiffusionGemma config.json (its dict)."""
   text = hf_config.get("text_config", hf_config)
@@ -125,13 +160,13 @@ def config_from_hf(hf_config: dict[str, Any], **overrides) -> ModelConfig:
     if t not in _LAYER_TYPES:
       raise ValueError(f"Unsupported layer type {t!r} in config.json; supported: {sorted(_LAYER_TYPES)}.")
     layer_types.append(_LAYER_TYPES[t])
-  full_layers = [str(i) for i, t in enumerate(layer_types) if t == FULL]
-  per_layer = text.get("per_layer_config") or {}
+  per_layer = _per_layer_config(text, layer_types)
+  full_layers = [i for i, t in enumerate(layer_types) if t == FULL]
   full = per_layer.get(full_layers[0], {}) if full_layers else {}
   for i in full_layers[1:]:
     if per_layer.get(i, {}) != full:
       raise ValueError(f"Full-attention layers must share one shape; per_layer_config[{i}]={per_layer.get(i)} "
-                       f"differs from {full}.")
+                       f"differs from layer {full_layers[0]}'s {full}.")
   rope = text.get("rope_parameters") or {}
   sliding_rope = rope.get("sliding_attention", {})
   full_rope = rope.get("full_attention", {})
@@ -301,11 +336,13 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
                        f"{name}={value!r} and cannot be exported faithfully.")
   names = {v: k for k, v in _LAYER_TYPES.items()}
   full = {"head_dim": cfg.full_head_dim, "num_key_value_heads": cfg.num_full_kv_heads}
+  fulls = [i for i, t in enumerate(cfg.layer_types) if t == FULL]
+  width = len(str(max(fulls)))
   text = dict(
       model_type="diffusion_gemma_text", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
       num_hidden_layers=cfg.num_layers, layer_types=[names[t] for t in cfg.layer_types],
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-      per_layer_config={str(i): dict(full) for i, t in enumerate(cfg.layer_types) if t == FULL},
+      per_layer_config={str(i).zfill(width): dict(full) for i in fulls},  # zero-padded as transformers does
       sliding_window=cfg.sliding_window,
       rope_parameters={
           "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},

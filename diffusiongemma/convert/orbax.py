@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from diffusiongemma.convert import hf
 from diffusiongemma.model import ModelConfig
 from diffusiongemma import parallel
+from diffusiongemma.model.config import MOE_AUTO
 
 PARAMS_DIRNAME = "params"
 MODEL_CONFIG_FILENAME = "model_config.json"
@@ -29,7 +30,9 @@ def hf_to_orbax(hf_dir: os.PathLike | str, out_dir: os.PathLike | str, *, dtype=
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(out_dir / PARAMS_DIRNAME, {"params": params})
   checkpointer.wait_until_finished()
-  (out_dir / MODEL_CONFIG_FILENAME).write_text(json.dumps(cfg.to_dict(), indent=2), encoding="utf-8")
+  # The MoE implementation is the running machine's choice, not the weights': "auto" resolves where it loads.
+  values = {**cfg.to_dict(), "moe_impl": MOE_AUTO}
+  (out_dir / MODEL_CONFIG_FILENAME).write_text(json.dumps(values, indent=2), encoding="utf-8")
   return cfg
 
 

@@ -7,9 +7,12 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 SLIDING = "sliding"
 FULL = "full"
 MOE_IMPLEMENTATIONS = ("grouped", "ragged", "dense")
+MOE_AUTO = "auto"  # ModelConfig.moe_impl: chosen by the backend, see `default_moe_impl`
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -18,6 +21,14 @@ def _positive_ints(config, fields) -> None:
     value = getattr(config, field)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: must be a positive integer.")
+
+
+def default_moe_impl(backend: str | None = None) -> str:
+  """What `moe_impl="auto"` becomes on `backend` (default: jax's default backend, which this initialises):
+  `ragged` where `lax.ragged_dot` has real kernels (GPU, TPU: measured on an H200, 4x faster than `grouped`
+  at batch 1), `grouped` elsewhere (CPU: `ragged_dot` costs as much as every expert there)."""
+  backend = jax.default_backend() if backend is None else backend
+  return "ragged" if backend in ("gpu", "cuda", "rocm", "tpu") else "grouped"
 
 
 def _from_dict(cls, values):
@@ -117,7 +128,10 @@ class ModelConfig:
   rms_norm_eps: float = 1e-6
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
-  moe_impl: str = "grouped"  # grouped (sort + tiled einsum) | ragged (lax.ragged_dot) | dense (reference)
+  # grouped (sort + tiled einsum) | ragged (lax.ragged_dot) | dense (reference) | auto: resolved once, when
+  # the config is built, to `default_moe_impl()` (ragged on GPU/TPU, grouped on CPU); the config then holds
+  # the concrete choice, so hashing, `to_dict` and every result's settings record what ran.
+  moe_impl: str = MOE_AUTO
   remat: bool = False  # rematerialise each layer in the backward pass
   pad_id: int = 0
   eos_id: int = 1
@@ -142,6 +156,8 @@ class ModelConfig:
       object.__setattr__(self, "layer_types", types)
     else:
       object.__setattr__(self, "layer_types", tuple(self.layer_types))
+    if self.moe_impl == MOE_AUTO:
+      object.__setattr__(self, "moe_impl", default_moe_impl())
     if isinstance(self.vision, Mapping) or hasattr(self.vision, "to_dict"):  # e.g. read back from JSON
       object.__setattr__(self, "vision", VisionConfig.from_dict(self.vision))
     self._validate()
@@ -183,7 +199,7 @@ class ModelConfig:
       if getattr(self, field) not in DTYPES:
         fail(field, f"must be one of {DTYPES}")
     if self.moe_impl not in MOE_IMPLEMENTATIONS:
-      fail("moe_impl", f"must be one of {MOE_IMPLEMENTATIONS}")
+      fail("moe_impl", f"must be one of {MOE_IMPLEMENTATIONS + (MOE_AUTO,)}")
     if not isinstance(self.noise, str):
       fail("noise", "must be the name of a noise process (e.g. 'uniform' or 'masked')")
     if self.mask_token_id is not None and not (isinstance(self.mask_token_id, int) and

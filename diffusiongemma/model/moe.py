@@ -2,8 +2,9 @@
 
 Axes: T tokens, D model, E experts, k chosen experts per token, F expert feed-forward, X tile rows.
 
-Three interchangeable implementations of the same function (`ModelConfig.moe_impl`):
-- `grouped` (default): sort the T*k (token, expert) assignments by expert, pad each expert's group up
+Three interchangeable implementations of the same function (`ModelConfig.moe_impl`; its default "auto" is
+`ragged` on GPU/TPU and `grouped` on CPU, `config.default_moe_impl`):
+- `grouped`: sort the T*k (token, expert) assignments by expert, pad each expert's group up
   to a multiple of a tile of X rows, and run each tile in use through its expert (a `lax.scan` over
   tiles). No token is dropped, and the work is at most (T*k + E*X) rows instead of T*E, so the cost stays
   flat as E grows at fixed k. This is what is truly sparse on CPU.

@@ -21,3 +21,7 @@ from diffusiongemma.parallel.distributed import is_main_process  # pylint: disab
 from diffusiongemma.parallel.distributed import sync  # pylint: disable=g-import-not-at-top
 
 __all__ += ["initialize_distributed", "is_main_process", "sync"]
+
+from diffusiongemma.parallel.compilation_cache import enable_compilation_cache  # pylint: disable=g-import-not-at-top
+
+__all__ += ["enable_compilation_cache"]

@@ -26,8 +26,11 @@ class SamplerConfig:
   prompt_bucket: prompts are right-padded to a multiple of this, so that nearby prompt lengths share one
     compiled program.
   vocab_chunk_size: the vocabulary head streams the vocabulary in chunks of this many tokens, so that no
-    [batch, canvas, vocab] array exists (`sampling.vocab`); None: the whole vocabulary at once. The same
-    tokens either way, up to the order of float sums.
+    [batch, canvas, vocab] array exists (`sampling.vocab`); None: the whole vocabulary at once; "auto"
+    (default): one chunk when a float32 [batch, canvas, vocab] array fits `vocab_budget_mib`, else chunks
+    whose [batch, canvas, chunk] arrays do, and on a CPU at most 1024 tokens per chunk (faster there:
+    `sampling/vocab.py`). The same tokens either way, up to the order of float sums.
+  vocab_budget_mib: the memory budget of "auto", in MiB (256: one chunk at batch 1 and vocabulary 262,144).
   """
 
   max_denoising_steps: int = 48
@@ -39,7 +42,8 @@ class SamplerConfig:
   stop_tokens: tuple[int, ...] | None = None
   canvas_length: int | None = None
   prompt_bucket: int = 64
-  vocab_chunk_size: int | None = 1024
+  vocab_chunk_size: int | str | None = "auto"
+  vocab_budget_mib: float = 256
 
   def __post_init__(self):
     if self.stop_tokens is not None:
@@ -60,7 +64,7 @@ class SamplerConfig:
     for field in ("max_denoising_steps", "prompt_bucket"):
       if not is_int(getattr(self, field)) or getattr(self, field) < 1:
         fail(field, "must be a positive integer")
-    for field in ("t_max", "t_min", "entropy_bound", "confidence_threshold"):
+    for field in ("t_max", "t_min", "entropy_bound", "confidence_threshold", "vocab_budget_mib"):
       value = getattr(self, field)
       if not is_real(value) or not 0 < value < math.inf:
         fail(field, "must be a positive finite number")
@@ -70,9 +74,11 @@ class SamplerConfig:
       fail("stability_threshold", "must be an integer >= 0")
     if self.stop_tokens is not None and not all(is_int(t) and t >= 0 for t in self.stop_tokens):
       fail("stop_tokens", "must be non-negative token ids")
-    for field in ("canvas_length", "vocab_chunk_size"):
-      if getattr(self, field) is not None and (not is_int(getattr(self, field)) or getattr(self, field) < 1):
-        fail(field, "must be None or a positive integer")
+    if self.canvas_length is not None and (not is_int(self.canvas_length) or self.canvas_length < 1):
+      fail("canvas_length", "must be None or a positive integer")
+    chunk = self.vocab_chunk_size
+    if chunk is not None and chunk != "auto" and (not is_int(chunk) or chunk < 1):
+      fail("vocab_chunk_size", 'must be None, "auto" or a positive integer')
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any]) -> "SamplerConfig":

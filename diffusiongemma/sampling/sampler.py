@@ -194,6 +194,7 @@ class Sampler:
       set_("schedule", schedules_lib.Linear(config.t_max, config.t_min))
     set_("stop_tokens", stop_tokens)
     set_("head", vocab.VocabHead.for_model(mc, self.noise.never_token, config.vocab_chunk_size,
+                                           config.vocab_budget_mib,
                                            margin=getattr(self.acceptance, "needs_margin", False)))
 
   @property
@@ -217,7 +218,7 @@ class Sampler:
     return {**dataclasses.asdict(self.config), "stop_tokens": list(self.stop_tokens),
             "noise": self.noise.name, "never_token": self.noise.never_token,
             "acceptance_rule": repr(self.acceptance), "stopping_rule": repr(self.stopping),
-            "schedule": repr(self.schedule), "vocab_chunk_size": self.head.chunk_size,
+            "schedule": repr(self.schedule), "vocab_auto_max_chunk": self.head.auto_max_chunk,
             "dtype": self.model.config.dtype, "moe_impl": self.model.config.moe_impl}
 
   # ---------------------------------------------------------------------------------------- inputs

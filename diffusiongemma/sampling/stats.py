@@ -12,7 +12,7 @@ evaluations and the notebook):
   rows stop after few passes; reported beside the pooled figure, never under its name);
 - **steps_per_canvas**: the mean number of passes over the canvases that ran;
 - **tokens_per_second**: all new tokens / the wall time of a call that did not compile (compile time is
-  reported apart, `benchmarks.time_call`).
+  reported apart, `benchmarks.measure.time_call`).
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 of the tempered distribution softmax(logits / T), without a [B, C, V] array.
 
 `VocabHead.stats(table, hidden, temperature, uniforms)` runs the tied LM head over the vocabulary in
-chunks of U tokens (`chunk_size`; None: one chunk) and, chunk by chunk, the final softcap, the token that
+chunks of U tokens (`chunk_size`; None: one chunk; "auto": chosen from a memory budget, below) and, chunk by
+chunk, the final softcap, the token that
 must never be sampled, the temperature and an online log-sum-exp: per position it keeps the running max m,
-the mass s = sum exp(l - m), the spread sum exp(l - m) (l - m), the argmax, the embedding rows weighted by
-exp(l - m) and, if asked (`margin`), the runner-up logit r. From those: entropy log s - spread / s, top
-probability 1 / s, the margin (1 - exp(r - m)) / s, and the soft embedding
+the mass s = sum exp(l - m), the spread sum exp(l - m) (l - m), the argmax and the embedding rows weighted by
+exp(l - m). From those: entropy log s - spread / s, top probability 1 / s, and the soft embedding
 softmax(l) @ E * sqrt(D) in the parameter dtype (`layers.soft_embedding`), which the next step feeds back
 as self-conditioning instead of logits. With one chunk the same operations run on the whole vocabulary,
 which is what `token_stats` does on given logits (the unchunked path, equal to it exactly); more chunks
@@ -24,6 +24,20 @@ A constraint would restrict the distribution here, chunk by chunk (`restrict(sca
 scaled chunk`, e.g. disallowed tokens to `NEVER_LOGIT`): every statistic, the draw and the soft embedding
 then follow the restricted distribution.
 
+Chunk size "auto" (`VocabHead.chunk_for`): one chunk when a float32 [B, C, V] array fits `budget_mib`, else
+the fewest chunks whose [B, C, U] arrays each fit it (U a multiple of 128); on a CPU, at most
+`auto_max_chunk` = 1024 tokens per chunk besides. The head holds a few such arrays at once (logits, their
+exponentials, the draw's cumulative sums), so the budget bounds its memory to a small multiple of itself
+either way. On a GPU chunks cost time where a whole-vocabulary matmul is affordable: on an H200 (vocab
+262,144, canvas 256) 1024-token chunks made a generation 2.4x slower at batch 1 and 1.4x at batch 8 than
+one chunk; the default budget of 256 MiB keeps one chunk at batch 1 and 32,768-token chunks at batch 8 (a
+2 GiB [B, C, V] array otherwise), which keeps the released vocabulary's generation at batch 8 under 2.5 GiB
+(1.5-1.6 GiB measured on a CPU with that choice forced, tests/test_sampler_memory.py; 0.9 GiB with 1024). On a CPU it is the other way round: chunks that stay in
+the caches beat one large matmul (the 25M model at batch 1, vocab 8192: the head took ~60 ms in 1024-token
+chunks, ~120 ms in one, on a loaded 2-core machine), so "auto" keeps the 1024-token chunks measured best
+there. Both choices are static: the backend is asked once when the head is built (`for_model`), and B and
+C are shapes at trace time.
+
 Axes: B batch, C canvas, D model, V vocab, U vocabulary chunk, N chunks, R draw slots per row.
 """
 
@@ -31,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import flax.struct
@@ -44,6 +59,10 @@ from diffusiongemma.model.config import ModelConfig
 
 Array = jax.Array
 Restrict = Callable[[Array, Array], Array]
+AUTO = "auto"  # a chunk size chosen from the memory budget
+DEFAULT_BUDGET_MIB = 256  # of one float32 [B, C, U] array of the head (U = V: one chunk)
+CPU_MAX_CHUNK = 1024  # "auto" on a CPU: tokens per chunk at most
+_CHUNK_MULTIPLE = 128
 
 
 @flax.struct.dataclass
@@ -71,6 +90,13 @@ class _Running:
                             + b * (other.spread + (other.max - top) * other.mass)),
                     argmax=jnp.where(other.max > self.max, other.argmax, self.argmax), rows=rows,
                     second=second)
+
+
+def default_auto_max_chunk(backend: str | None = None) -> int | None:
+  """The cap on "auto" chunks on `backend` (default: jax's): none where whole-vocabulary matmuls pay (GPU,
+  TPU), `CPU_MAX_CHUNK` elsewhere (module docstring)."""
+  backend = jax.default_backend() if backend is None else backend
+  return None if backend in ("gpu", "cuda", "rocm", "tpu") else CPU_MAX_CHUNK
 
 
 def _chunk_running(scaled: Array, first: Array | int, table: Array | None, margin: bool = False) -> _Running:
@@ -161,7 +187,7 @@ def complete_draw(scaled_logits: Array, out: HeadOutput, uniforms: Array) -> Arr
 
 def token_stats(scaled_logits: Array, uniforms: Array) -> acceptance_lib.TokenStats:
   """Statistics and the draw (one uniform per position, [B, C]) of softmax(scaled_logits) [B, C, V] given
-  whole: the unchunked path (with the margin)."""
+  whole: the unchunked path."""
   out = _finish(_chunk_running(scaled_logits.astype(jnp.float32), 0, None, margin=True), uniforms, None)
   return out.stats.replace(sample=complete_draw(scaled_logits, out, uniforms))
 
@@ -180,32 +206,54 @@ class VocabHead:
   softcap: float | None
   dtype: str  # the head matmul's (the model's compute dtype)
   never_token: int | None = None  # removed from the distribution (masked noise: the mask token)
-  chunk_size: int | None = None  # tokens per chunk; None: the whole vocabulary at once
+  chunk_size: int | str | None = None  # tokens per chunk; None: the whole vocabulary at once; "auto"
+  budget_mib: float = DEFAULT_BUDGET_MIB  # for chunk_size "auto": MiB of one float32 [B, C, U] array
+  auto_max_chunk: int | None = None  # for chunk_size "auto": at most this many tokens per chunk (CPU: 1024)
   draw_slots: int = 4  # positions per row whose draw one pass of `draw` recomputes
   margin: bool = False  # also the top-1 minus top-2 probability (`TokenStats.margin`), for rules that use it
 
   def __post_init__(self):
     size = self.chunk_size
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-      raise ValueError(f"vocab_chunk_size={self.chunk_size!r} is invalid: None (the whole vocabulary) or a "
-                       "positive integer.")
-    if isinstance(self.draw_slots, bool) or not isinstance(self.draw_slots, int) or self.draw_slots < 1:
+    if size is not None and size != AUTO and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+      raise ValueError(f"vocab_chunk_size={self.chunk_size!r} is invalid: None (the whole vocabulary), "
+                       f"{AUTO!r} (from the memory budget) or a positive integer.")
+    if isinstance(self.budget_mib, bool) or not isinstance(self.budget_mib, (int, float)) or not self.budget_mib > 0:
+      raise ValueError(f"vocab_budget_mib={self.budget_mib!r} is invalid: a positive number of MiB.")
+    positive = lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if not positive(self.draw_slots):
       raise ValueError(f"draw_slots={self.draw_slots!r} is invalid: a positive integer.")
+    if self.auto_max_chunk is not None and not positive(self.auto_max_chunk):
+      raise ValueError(f"auto_max_chunk={self.auto_max_chunk!r} is invalid: None or a positive integer.")
 
   @classmethod
-  def for_model(cls, config: ModelConfig, never_token: int | None = None, chunk_size: int | None = None,
-                margin: bool = False) -> "VocabHead":
+  def for_model(cls, config: ModelConfig, never_token: int | None = None, chunk_size: int | str | None = None,
+                budget_mib: float = DEFAULT_BUDGET_MIB, margin: bool = False) -> "VocabHead":
+    """The head of `config`'s model; for chunk_size "auto", the backend's cap asked here, once."""
     return cls(vocab_size=config.vocab_size, softcap=config.final_logit_softcap, dtype=config.dtype,
-               never_token=never_token, chunk_size=chunk_size, margin=margin)
+               never_token=never_token, chunk_size=chunk_size, budget_mib=budget_mib,
+               auto_max_chunk=default_auto_max_chunk() if chunk_size == AUTO else None, margin=margin)
 
-  @property
-  def num_chunks(self) -> int:
-    return 1 if self.chunk_size is None else -(-self.vocab_size // self.chunk_size)
+  def chunk_for(self, positions: int) -> int | None:
+    """Tokens per chunk for `positions` (B x C) positions at once, None for one chunk: `chunk_size`, or
+    for "auto" the choice from `budget_mib` and `auto_max_chunk` (module docstring)."""
+    if self.chunk_size != AUTO:
+      return self.chunk_size
+    column = 4 * positions  # bytes of one vocabulary entry's float32 logits
+    budget = int(self.budget_mib * 2**20)
+    size = self.vocab_size
+    if column * size > budget:
+      fits = max(_CHUNK_MULTIPLE, budget // column // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
+      chunks = -(-self.vocab_size // fits)
+      size = -(-self.vocab_size // chunks)  # the same chunks, evened out (the last one less padded)
+      size = -(-size // _CHUNK_MULTIPLE) * _CHUNK_MULTIPLE
+    if self.auto_max_chunk is not None:
+      size = min(size, self.auto_max_chunk)
+    return None if size >= self.vocab_size else size
 
-  def _chunked_table(self, table: Array) -> Array:
+  def _chunked_table(self, table: Array, chunk_size: int | None) -> Array:
     """The table as [N, U, D], zero rows after the vocabulary (their logits are removed)."""
-    n = self.num_chunks
-    size = self.vocab_size if n == 1 else self.chunk_size
+    size = self.vocab_size if chunk_size is None else min(chunk_size, self.vocab_size)
+    n = -(-self.vocab_size // size)
     table = jnp.pad(table, ((0, n * size - self.vocab_size), (0, 0)))
     return table.reshape(n, size, table.shape[-1])
 
@@ -218,7 +266,7 @@ class VocabHead:
     removed = ids >= self.vocab_size
     if self.never_token is not None:
       removed |= ids == self.never_token
-    if self.num_chunks > 1 or self.never_token is not None:
+    if table.shape[0] != self.vocab_size or self.never_token is not None:  # chunks, or the never token
       logits = jnp.where(removed, NEVER_LOGIT, logits)
     scaled = logits / temperature
     return scaled if restrict is None else restrict(scaled, first)
@@ -227,7 +275,7 @@ class VocabHead:
     """`fold(start, step)`: carry = start(first id, rows, scaled) on the first chunk of the vocabulary, then
     carry = step(carry, first id, rows, scaled) on each later one in order (no loop for one chunk); rows
     [U, D] are the chunk's table rows, scaled [..., U] its logits / T, computed inside the loop."""
-    chunked = self._chunked_table(table)
+    chunked = self._chunked_table(table, self.chunk_for(math.prod(hidden.shape[:-1])))
     firsts = jnp.arange(chunked.shape[0], dtype=jnp.int32) * chunked.shape[1]
     scaled = lambda first, rows: self.scaled_logits(rows, hidden, first, temperature, restrict)
 

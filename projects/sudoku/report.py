@@ -1,9 +1,9 @@
 r"""The Sudoku recipe measured: three decoders, the solve rate against training time, clue levels, and
 the entropy-bound x step-cap sweep, into one JSON (every setting it ran with) and one plot.
 
-  python scripts/train.py --config=configs/sudoku.py --workdir=W
-  python scripts/train.py --config=configs/sudoku.py:ar --workdir=W_AR
-  python scripts/sudoku_report.py --workdir=W --ar_workdir=W_AR --output=results/sudoku.json
+  python scripts/train.py --config=projects/sudoku/config.py --workdir=W
+  python scripts/train.py --config=projects/sudoku/config.py:ar --workdir=W_AR
+  python -m projects.sudoku.report --workdir=W --ar_workdir=W_AR --output=results/sudoku.json
 
 Held-out puzzles come from the validation split (a random stream training never draws from):
 `--per_level` puzzles at each of `--levels` (the issue's 36-40 clues) and of `--easy_levels`. For each
@@ -25,12 +25,13 @@ from absl import logging
 import numpy as np
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import training
-from diffusiongemma.data import sudoku
-from diffusiongemma.evaluation import sudoku as sudoku_eval
+from projects.sudoku import data as sudoku
+from projects.sudoku import solve as sudoku_eval
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The block-diffusion run (configs/sudoku.py).")
-_AR_WORKDIR = flags.DEFINE_string("ar_workdir", None, "The AR run (configs/sudoku.py:ar); optional.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The block-diffusion run (projects/sudoku/config.py).")
+_AR_WORKDIR = flags.DEFINE_string("ar_workdir", None, "The AR run (projects/sudoku/config.py:ar); optional.")
 _OUTPUT = flags.DEFINE_string("output", "results/sudoku.json", "The JSON to write (and .png beside).")
 _LEVELS = flags.DEFINE_list("levels", ["36", "37", "38", "39", "40"], "Clue counts of the headline set.")
 _EASY = flags.DEFINE_list("easy_levels", ["45", "50", "55"], "Easier clue counts, reported per level.")
@@ -120,6 +121,7 @@ def _plot(report, path):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
   config = build.workdir_config(_WORKDIR.value)
   if config is None:

@@ -1,7 +1,8 @@
 """Reference outputs from the Hugging Face transformers DiffusionGemma (torch, float32, CPU).
 
-Imported by tests (it contains none). `make_tiny_hf` builds and saves a tiny random
-`DiffusionGemmaForBlockDiffusion`; the other helpers run it the way `generate` does and return numpy.
+Shared by the tests' cross-checks and `benchmarks.vs_transformers` (it contains no test). `make_tiny_hf`
+builds and saves a tiny random `DiffusionGemmaForBlockDiffusion`; the other helpers run it the way
+`generate` does and return numpy (`generate` moves its inputs to the model's device: a CUDA model works).
 
 Images (tests/test_vision.py): `make_tiny_hf(..., vision_config={...}, image_token_ids=(image, boi, eoi),
 use_bidirectional_attention="vision")` gives a tiny vision tower whose weights are re-drawn too (a
@@ -102,9 +103,17 @@ def default_layer_types(num_hidden_layers):
     return types
 
 
+def released_layer_types(num_hidden_layers):
+    """The released model's pattern: five sliding layers then one full, repeated; the last one full."""
+    types = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(num_hidden_layers)]
+    types[-1] = "full_attention"
+    return types
+
+
 @torch.no_grad()
-def _randomize(model, seed):
-    """Seeded re-draw of all text weights; constants (norms, scales, layer scalars) become U(0.5, 1.5)."""
+def _randomize(model, seed, branch_scale=1.0):
+    """Seeded re-draw of all text weights; constants (norms, scales, layer scalars) become U(0.5, 1.5), the
+    norms that end the attention and feed-forward branches then times `branch_scale`."""
     g = torch.Generator().manual_seed(seed)
     # The decoder owns every text parameter; the encoder's and lm_head are tied to these tensors.
     for name, p in model.model.decoder.named_parameters():
@@ -112,6 +121,8 @@ def _randomize(model, seed):
             p.copy_(0.5 * torch.randn(p.shape, generator=g))
         elif p.ndim == 1:  # RMSNorm weights, router.scale, router.per_expert_scale
             p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            if name.endswith(("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")):
+                p.mul_(branch_scale)
         elif name.endswith("router.proj.weight"):
             p.copy_(torch.randn(p.shape, generator=g))
         else:  # nn.Linear [out, in] and experts [E, out, in]
@@ -162,6 +173,7 @@ def make_tiny_hf(
     vision_config=None,
     image_token_ids=None,
     use_bidirectional_attention=None,
+    branch_scale=1.0,
 ):
     """Build, randomize, save to `path` and reload a tiny DiffusionGemmaForBlockDiffusion (float32, eval).
 
@@ -170,7 +182,9 @@ def make_tiny_hf(
     the returned model: "eager" (plain math) or "sdpa" (same within ~2e-5). Returns the reloaded model.
     `vision_config` (Gemma4VisionConfig fields): a real tiny vision tower, randomized as well (default: the
     untouched placeholder); `image_token_ids`: (image, begin, end) ids inside the vocabulary;
-    `use_bidirectional_attention`: the text config's (None or "vision").
+    `use_bidirectional_attention`: the text config's (None or "vision"). `branch_scale` < 1 shrinks what
+    each layer adds to the residual stream: a random network amplifies float32 rounding layer after layer
+    (~1.3x per layer at width 16), so deep models (12-30 layers) need it for a 1e-4 comparison.
     """
     text_config = DiffusionGemmaTextConfig(
         hidden_size=hidden_size,
@@ -205,7 +219,7 @@ def make_tiny_hf(
     config = DiffusionGemmaConfig(text_config=text_config, vision_config=vision, canvas_length=canvas_length, **ids)
     torch.manual_seed(seed)
     model = DiffusionGemmaForBlockDiffusion(config).float().eval()
-    _randomize(model, seed)
+    _randomize(model, seed, branch_scale)
     if vision_config is not None:
         _randomize_vision(model, seed)
 
@@ -334,6 +348,6 @@ def generate(model, prompt, decoder_input_ids=None, *, seed=0, entropy_bound=Non
     if entropy_bound is not None:
         kwargs["sampler_config"] = EntropyBoundSamplerConfig(entropy_bound=float(entropy_bound))
     if decoder_input_ids is not None:
-        kwargs["decoder_input_ids"] = _long(decoder_input_ids)
-    out = model.generate(_long(prompt), **kwargs)
-    return out.sequences.numpy(), out.tokens_per_forward.numpy()
+        kwargs["decoder_input_ids"] = _long(decoder_input_ids).to(model.device)
+    out = model.generate(_long(prompt).to(model.device), **kwargs)
+    return out.sequences.cpu().numpy(), out.tokens_per_forward.cpu().numpy()

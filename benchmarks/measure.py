@@ -11,7 +11,11 @@ throughput is the median of its runs (`Timing.median`), with the first call's co
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,11 +67,50 @@ def time_call(fn: Callable, *args, repeats: int = 1, **kwargs) -> Timing:
   return Timing(output, first, runs)
 
 
-def matmul_peak_flops(size: int = 2048, repeats: int = 5) -> float:
-  """Best FLOP/s of a jitted float32 [size, size] @ [size, size] matmul on the default device."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-  return 2 * size**3 / time_call(jax.jit(jnp.matmul), a, b, repeats=repeats).best
+def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> tuple[Timing, Timing]:
+  """Times two competitors in turns, so that a change in the machine's load hits both alike: one first call
+  of each (compiling, warming up), then ours, theirs, ours, theirs, ... `repeats` times each."""
+  if repeats < 1:
+    raise ValueError(f"repeats={repeats} must be >= 1.")
+  calls = {"ours": ours, "theirs": theirs}
+  firsts, runs, outputs = {}, {name: [] for name in calls}, {}
+  for name, fn in calls.items():
+    start = time.perf_counter()
+    outputs[name] = jax.block_until_ready(fn())
+    firsts[name] = time.perf_counter() - start
+  for _ in range(repeats):
+    for name, fn in calls.items():
+      start = time.perf_counter()
+      outputs[name] = jax.block_until_ready(fn())
+      runs[name].append(time.perf_counter() - start)
+  return tuple(Timing(outputs[name], firsts[name], runs[name]) for name in calls)
+
+
+def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:
+  """Best FLOP/s of a jitted [size, size] @ [size, size] matmul on the default device: float32, or for
+  "bfloat16" bf16 inputs accumulated in float32 (what a bf16 model's matmuls do)."""
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+  b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
+  matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
+  return 2 * size**3 / time_call(matmul, a, b, repeats=repeats).best
+
+
+def provenance(root: pathlib.Path) -> dict[str, Any]:
+  """What a result file needs to be read later: the devices, the machine's 1/5/15-minute load averages
+  now, and the git commit of `root` (None outside a git checkout; `dirty` when files differ from it)."""
+  def git(*args):
+    try:
+      result = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+      return None
+    return result.stdout.strip()
+
+  device = jax.devices()[0]
+  status = git("status", "--porcelain", "--untracked-files=no")
+  return {"backend": jax.default_backend(), "device": getattr(device, "device_kind", str(device)),
+          "devices": jax.device_count(), "processor": platform.processor() or platform.machine(),
+          "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "jax": jax.__version__,
+          "git_commit": git("rev-parse", "HEAD"), "git_dirty": None if status is None else bool(status)}
 
 
 def read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:

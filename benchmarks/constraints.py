@@ -6,8 +6,8 @@ Python source (the standard library, plus installed packages when more text is n
 vocabulary): a stand-in for the 262,144-entry Gemma vocabulary with the same size. Or pass
 `--tokenizer=tokenizer.json`. Prints one JSON object.
 
-  python scripts/benchmark_constraints.py --vocab_size=8192 --batch=1,8
-  python scripts/benchmark_constraints.py --vocab_size=262144 --batch= --sample_batch=  # construction only
+  python benchmarks/constraints.py --vocab_size=8192 --batch=1,8
+  python benchmarks/constraints.py --vocab_size=262144 --batch= --sample_batch=  # construction only
 
 The generation figures (`sampling`): a randomly initialised configs/small.py body (hidden 256, 6 layers,
 16 experts top-2) with the tokenizer's vocabulary, canvas --canvas, a --prompt_length prompt, a fixed
@@ -98,13 +98,14 @@ def _generations(constraint_of, v: int, repeats: int = 1) -> dict:
   """Tokens/s and passes/s of whole generations without and with the constraint (see the docstring)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   import diffusiongemma as dg  # pylint: disable=import-outside-toplevel
-  from diffusiongemma import benchmarks, build  # pylint: disable=import-outside-toplevel
+  from diffusiongemma import build
+  from benchmarks import measure  # pylint: disable=import-outside-toplevel
   from diffusiongemma.build.config import load_config_file  # pylint: disable=import-outside-toplevel
   from diffusiongemma.sampling import stats  # pylint: disable=import-outside-toplevel
   config = load_config_file(str(pathlib.Path(__file__).parent.parent / "configs" / "small.py"))
   cfg = build.model_config(config).replace(vocab_size=v, canvas_length=_CANVAS.value)
   sampler = dg.Sampler(dg.DiffusionGemma(cfg), dg.SamplerConfig(
-      max_denoising_steps=_STEPS.value, stopping="fixed", stop_tokens=(1,), prompt_bucket=64))
+      max_denoising_steps=_STEPS.value, stop_tokens=(1,), prompt_bucket=64), stopping=dg.diffusion.NoEarlyStop())
   constraint = constraint_of(sampler)
   variables = build.random_variables(cfg)
   out = {}
@@ -112,7 +113,7 @@ def _generations(constraint_of, v: int, repeats: int = 1) -> dict:
     prompts = np.random.default_rng(b).integers(2, v, (b, _PROMPT.value))
     row = {}
     for name, c in (("unconstrained", None), ("constrained", constraint)):
-      timing = benchmarks.time_call(sampler.generate, variables, prompts, jax.random.key(0), _CANVAS.value,
+      timing = measure.time_call(sampler.generate, variables, prompts, jax.random.key(0), _CANVAS.value,
                                     repeats=repeats, constraint=c)
       summary = stats.summary(timing.output.tokens, timing.output.canvas_passes, cfg.pad_id, timing.median)
       row[name] = dict(seconds=round(timing.median, 3), compile_seconds=round(timing.compile_seconds, 1),

@@ -8,7 +8,7 @@ One process, one run, the same parameters and prompts for both decoders:
   the AR step's bytes/s as a fraction of a measured read bandwidth (a matrix-vector product), counting
   the bytes it must read: every parameter and the KV cache once (XLA's per-op `bytes accessed`, which
   counts cache-resident intermediates too, is reported beside it; XLA cost analysis counts the FLOPs);
-- one denoising step taken apart at the largest batch (`benchmarks.step_breakdown`): the denoiser pass,
+- one denoising step taken apart at the largest batch (`measure.step_breakdown`): the denoiser pass,
   the vocabulary head, sampling and acceptance (the rest of the step), and the rest of a generation
   (its time outside the steps: prompt encoding, loops, transfers);
 - the model's MoE layer against a dense GeGLU MLP with the same active parameters;
@@ -20,15 +20,16 @@ checkpoint in `--workdir` when there is one, else a random initialisation (say s
 the diffusion sampler (with the noise the model was trained with, `config.diffusion.noise`) and the AR
 decoder all come from `build`, as in every other binary.
 
-  python scripts/benchmark.py --config=configs/tiny.py --workdir=workdir/tiny --quick
-  python scripts/benchmark.py --config=configs/small.py --workdir=workdir/small --batch_sizes=1,4,16
+  python benchmarks/suite.py --config=configs/tiny.py --workdir=workdir/tiny --quick
+  python benchmarks/suite.py --config=configs/small.py --workdir=workdir/small --batch_sizes=1,4,16
 
 benchmark.json (times in seconds, rates per second, every number finite and >= 0):
   config, params                 config file stem; "checkpoint step N" or "random init (...)"
   model                          total_parameters, active_parameters, canvas_length, dtype
   sampler                        max_new_tokens, prompt_length and every setting of the sampler
                                  (`Sampler.settings()`: SamplerConfig fields, noise, rules, dtype)
-  machine                        backend, devices, processor, matmul_peak_gflops, read_bandwidth_gbps
+  machine                        `measure.provenance` (backend, device, devices, processor, load_average,
+                                 git_commit, ...), matmul_peak_gflops, read_bandwidth_gbps
   decoding[]                     one per batch size: batch_size; for diffusion_ and ar_: seconds,
                                  compile_seconds, tokens_per_second, latency_seconds, new_tokens;
                                  pooled_tokens_per_forward, mean_tokens_per_forward, steps_per_canvas,
@@ -54,7 +55,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import platform
 
 from absl import app
 from absl import flags
@@ -65,7 +65,7 @@ import numpy as np
 from ml_collections import config_flags
 
 import diffusiongemma as dg
-from diffusiongemma import benchmarks
+from benchmarks import measure
 from diffusiongemma import build
 from diffusiongemma.build.config import load_config_file
 
@@ -105,8 +105,8 @@ def _decoders(sampler, ar_sampler, params, prompts, rng, new_tokens, repeats):
   """Timings and statistics of both decoders at one batch size."""
   pad = sampler.model.config.pad_id
   row = {"batch_size": prompts.shape[0]}
-  diffusion = benchmarks.time_call(sampler.generate, params, prompts, rng, new_tokens, repeats=repeats)
-  ar = benchmarks.time_call(ar_sampler.generate, params, prompts, rng, new_tokens, repeats=repeats)
+  diffusion = measure.time_call(sampler.generate, params, prompts, rng, new_tokens, repeats=repeats)
+  ar = measure.time_call(ar_sampler.generate, params, prompts, rng, new_tokens, repeats=repeats)
   for name, timing in (("diffusion", diffusion), ("ar", ar)):
     new = int(dg.sampling.stats.new_token_counts(timing.output.tokens, pad).sum())
     row[f"{name}_seconds"] = timing.median
@@ -139,8 +139,8 @@ def _efficiency(model, params, prompts, peak_flops, bandwidth, repeats):
   out = {}
   for name, fn, args in (("denoiser", denoise, (variables, canvas, cache)), ("ar_step", step,
                                                                           (variables, token, cache))):
-    counted = benchmarks.cost(fn, *args)
-    seconds = benchmarks.time_call(jax.jit(fn), *args, repeats=repeats).median
+    counted = measure.cost(fn, *args)
+    seconds = measure.time_call(jax.jit(fn), *args, repeats=repeats).median
     out[f"{name}_seconds"] = seconds
     out[f"{name}_flops"] = counted["flops"]
     out[f"{name}_bytes"] = counted["bytes accessed"]
@@ -157,7 +157,7 @@ def _training(config_files: list[str], peak_flops: float, repeats: int) -> list[
     path, _, arg = spec.partition(":")
     if not pathlib.Path(path).is_file() and (_ROOT / path).is_file():
       path = str(_ROOT / path)  # the default paths work from any directory
-    result = benchmarks.benchmark_train_step(load_config_file(path, arg or None), repeats=repeats)
+    result = measure.benchmark_train_step(load_config_file(path, arg or None), repeats=repeats)
     result["config"] = pathlib.Path(path).stem + (f":{arg}" if arg else "")
     result["mfu"] = result["flops_per_step"] / result["seconds_per_step"] / peak_flops
     logging.info("training %s: %s", spec, result)
@@ -246,17 +246,16 @@ def main(argv):
   prompt_length = _PROMPT_LENGTH.value or config.data.prompt_length
   ids = _validation_ids(config, workdir)
 
-  peak = benchmarks.matmul_peak_flops(1024 if quick else 2048, repeats=max(repeats, 5))
-  bandwidth = benchmarks.read_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 5))
+  machine = measure.provenance(_ROOT)  # the load average before the measurements
+  peak = measure.matmul_peak_flops(1024 if quick else 2048, repeats=max(repeats, 5))
+  bandwidth = measure.read_bandwidth((64 if quick else 256) * 2**20, repeats=max(repeats, 5))
   results = {
       "config": pathlib.Path(config_flags.get_config_filename(flags.FLAGS["config"])).stem,
       "params": weights.source,
       "model": {"total_parameters": counts["total"], "active_parameters": counts["active"],
                 "canvas_length": cfg.canvas_length, "dtype": cfg.dtype},
       "sampler": {"max_new_tokens": new_tokens, "prompt_length": prompt_length, **sampler.settings()},
-      "machine": {"backend": jax.default_backend(), "devices": jax.device_count(),
-                  "processor": platform.processor() or platform.machine(),
-                  "matmul_peak_gflops": peak / 1e9, "read_bandwidth_gbps": bandwidth / 1e9},
+      "machine": {**machine, "matmul_peak_gflops": peak / 1e9, "read_bandwidth_gbps": bandwidth / 1e9},
       "decoding": [],
   }
   rng = jax.random.key(1)
@@ -269,7 +268,7 @@ def main(argv):
     logging.info("batch %d: %s", batch, row)
   results["efficiency"] = {"batch_size": batch_sizes[-1],
                            **_efficiency(sampler.model, params, prompts, peak, bandwidth, repeats)}
-  step = benchmarks.step_breakdown(sampler, params, prompts, repeats=max(repeats, 3))
+  step = measure.step_breakdown(sampler, params, prompts, repeats=max(repeats, 3))
   last = results["decoding"][-1]
   results["step"] = {"batch_size": batch_sizes[-1], **step,
                      **{f"{part}_fraction": step[f"{part}_seconds"] / step["step_seconds"]
@@ -278,7 +277,7 @@ def main(argv):
                                               / step["step_seconds"], 0.0),
                      "rest_fraction": max(1 - last["loop_steps"] * step["step_seconds"]
                                           / last["diffusion_seconds"], 0.0)}
-  results["moe"] = benchmarks.moe_against_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
+  results["moe"] = measure.moe_against_dense(cfg, batch_sizes[-1] * cfg.canvas_length, max(repeats, 2))
   train_configs = _TRAIN_CONFIGS.value[:1] if quick else _TRAIN_CONFIGS.value
   results["training"] = _training(train_configs, peak, repeats)
 

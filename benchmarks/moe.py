@@ -4,10 +4,10 @@ At fixed top-k the useful work per token is constant, so a sparse layer should t
 for 8 or 128 experts, while the dense all-experts reference grows linearly. A dense GeGLU MLP with the
 same active parameters (k x the expert width) is the floor. Everything runs in one process, side by side,
 and reports the median of `--repeats` timed calls after one warm-up (compile) call
-(`benchmarks.moe_against_dense`: the router and the experts, as the model runs them).
+(`measure.moe_against_dense`: the router and the experts, as the model runs them).
 
-  python scripts/benchmark_moe.py                      # the README table (T=2048, D=F=256, k=2)
-  python scripts/benchmark_moe.py --experts=8,16 --repeats=2 --output=/tmp/moe.json
+  python benchmarks/moe.py                      # the README table (T=2048, D=F=256, k=2)
+  python benchmarks/moe.py --experts=8,16 --repeats=2 --output=/tmp/moe.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from absl import flags
 import jax
 
 import diffusiongemma as dg
-from diffusiongemma import benchmarks
+from benchmarks import measure
 
 _EXPERTS = flags.DEFINE_list("experts", ["8", "16", "32", "64", "128"], "Numbers of experts to time.")
 _IMPLS = flags.DEFINE_list("impls", ["grouped", "ragged", "dense"], "MoE implementations to time.")
@@ -47,7 +47,7 @@ def main(argv):
   for num_experts in map(int, _EXPERTS.value):
     row = {"experts": num_experts}
     for impl in _IMPLS.value:
-      measured = benchmarks.moe_against_dense(_config(num_experts, impl), t, repeats=_REPEATS.value)
+      measured = measure.moe_against_dense(_config(num_experts, impl), t, repeats=_REPEATS.value)
       row[f"{impl}_ms"] = 1e3 * measured["moe_seconds"]
       row["dense_mlp_same_active_ms"] = 1e3 * measured["dense_same_active_seconds"]
     if not header:

@@ -1,0 +1,13 @@
+"""Benchmarks of diffusiongemma, installed next to it (setup.py) and run as modules or files:
+
+  python -m benchmarks.vs_transformers --size=small      # ours against transformers' generate, side by side
+  python -m benchmarks.suite --config=configs/tiny.py    # diffusion vs AR, MFU, step breakdown, MoE, training
+  python -m benchmarks.moe                               # the MoE layer: grouped vs ragged vs dense
+  python -m benchmarks.constraints                       # constrained decoding's cost
+  (or `python benchmarks/<name>.py ...`)
+
+Shared helpers: `measure` (timers, in-run machine peaks, XLA costs, the step taken apart) and
+`hf_reference` (a tiny random transformers DiffusionGemma and its outputs, run as `generate` does; the
+tests' cross-checks use it too; needs the `hf` extra: torch and transformers). Importing the package
+imports nothing.
+"""

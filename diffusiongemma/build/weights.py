@@ -1,0 +1,87 @@
+"""Which weights to run: a training workdir's checkpoint (with LoRA adapters merged), a transformers
+folder, or a random initialisation; and a chat session of a training workdir."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import ml_collections
+
+from diffusiongemma import convert
+from diffusiongemma import training
+from diffusiongemma.build import models
+from diffusiongemma.build import tasks
+from diffusiongemma.chat import ChatSampler
+from diffusiongemma.data import hf_tokenizer
+from diffusiongemma.sampling import presets
+from diffusiongemma.sampling.pretrained import Pretrained, Weights, load as pretrained  # noqa: F401 (re-exported)
+from diffusiongemma.training import checkpoint
+from diffusiongemma.training import lora
+
+
+def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = False, seed: int = 0,
+         shardings=None) -> Weights:
+  """The weights to run: a transformers checkpoint folder if given, else the latest checkpoint of the
+  training `workdir` (a LoRA run's adapters merged into its `config.train.init_from` weights), else (only
+  with `random_init`) a random initialisation of `config.model`."""
+  if hf_checkpoint:
+    cfg, params = convert.load_hf(hf_checkpoint, shardings=shardings)
+    return Weights(cfg, {"params": params}, f"transformers checkpoint {hf_checkpoint}")
+  if config is None:
+    raise ValueError("A config is needed to load a workdir checkpoint or to initialise randomly.")
+  cfg = models.model_config(config)
+  if workdir is not None and not random_init and checkpoint.latest_step(workdir) is not None:
+    lora_cfg = tasks.lora_config(config)
+    if lora_cfg is None:
+      variables, step = checkpoint.load_params(workdir, shardings=shardings)
+      return Weights(cfg, variables, f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}")
+    adapters, step = checkpoint.load_params(workdir)
+    base = checkpoint.load_weights(config.train.init_from, shardings=shardings)
+    return Weights(cfg, lora.merge(base, adapters, lora_cfg),
+                   f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}: LoRA adapters (rank "
+                   f"{lora_cfg.rank}) merged into {config.train.init_from}")
+  if not random_init:
+    raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints: train first, or pass "
+                            "--hf_checkpoint=<folder> or --random_init.")
+  return Weights(cfg, models.random_variables(cfg, seed), f"random initialisation (seed {seed})")
+
+
+def workdir_config(workdir):
+  """The config a training run saved in `workdir/config.json` (a ConfigDict), or None."""
+  path = pathlib.Path(workdir) / training.checkpoint.CONFIG_FILENAME
+  if not path.is_file():
+    return None
+  return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def chat_sampler(workdir, config=None, *, tokenizer=None, preset: str = "default",
+                 max_new_tokens: int | None = None, seed: int = 0, **sampler_overrides) -> ChatSampler:
+  """A conversation with the latest checkpoint of a training workdir.
+
+  config: the run's ConfigDict (default: the one training saved in the workdir). tokenizer: a checkpoint
+  folder (or its `CheckpointTokenizer`) whose tokenizer the model was fine-tuned with; default:
+  `workdir/tokenizer.json` if there is one. Without one the workdir is refused: the project's own
+  sentencepiece tokenizer has no Gemma 4 control tokens, and a model trained on its corpus has never seen a
+  conversation. The sampler settings are `config.sampler`, then `preset`, then `sampler_overrides`.
+  """
+  workdir = pathlib.Path(workdir)
+  config = config if config is not None else workdir_config(workdir)
+  if config is None:
+    raise FileNotFoundError(f"{workdir} has no saved config.json: pass the run's config.")
+  if tokenizer is None:
+    if not (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():
+      raise ValueError(
+          f"Cannot chat with the workdir {str(workdir)!r}: its tokenizer is this project's sentencepiece model, "
+          f"which has none of the Gemma 4 control tokens {list(hf_tokenizer.REQUIRED_CONTROL_TOKENS)}, and a "
+          "model trained on the project's corpus has never seen a conversation. Sample a continuation with "
+          "scripts/sample.py --prompt=...; for a model fine-tuned from the released weights, pass the "
+          "checkpoint's tokenizer (tokenizer=<folder>, chat.py --tokenizer=<folder>).")
+    tokenizer = workdir
+  if not isinstance(tokenizer, hf_tokenizer.CheckpointTokenizer):
+    tokenizer = hf_tokenizer.CheckpointTokenizer(tokenizer)
+  changes = {**presets.preset_overrides(preset), **{k: v for k, v in sampler_overrides.items() if v is not None}}
+  weights = load(config, workdir=workdir)
+  sampler = models.sampler(config, weights.model_config, **changes)
+  return ChatSampler(sampler, weights.variables, tokenizer,
+                     max_new_tokens=max_new_tokens or models.max_new_tokens(config), seed=seed)

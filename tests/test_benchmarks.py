@@ -1,0 +1,58 @@
+"""The benchmarks package: the side-by-side protocol (alternation, the load guard, what the JSON records)
+and its entry points run as a module and as a file. No timing is asserted."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import measure
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+
+def test_alternate_takes_turns_after_one_first_call_each():
+  calls = []
+  ours, theirs = measure.alternate(lambda: calls.append("ours") or 1, lambda: calls.append("theirs") or 2, 3)
+  assert calls == ["ours", "theirs"] * 4  # a first call each, then ours, theirs, ... 3 times
+  assert (ours.output, theirs.output, len(ours.runs), len(theirs.runs)) == (1, 2, 3, 3)
+  with pytest.raises(ValueError, match="repeats=0"):
+    measure.alternate(lambda: 1, lambda: 2, 0)
+
+
+def _vs_transformers(*args, module=True):
+  entry = ["-m", "benchmarks.vs_transformers"] if module else [str(ROOT / "benchmarks" / "vs_transformers.py")]
+  return subprocess.run([sys.executable, *entry, "--size=tiny", "--quick", *args], capture_output=True,
+                        text=True, timeout=1200, cwd=ROOT, check=False)
+
+
+def test_vs_transformers_refuses_a_loaded_machine(tmp_path):
+  result = _vs_transformers("--max_load=-1", f"--output={tmp_path / 'out.json'}")  # any load is too much
+  assert result.returncode != 0 and "Refusing to run. LOADED MACHINE" in result.stderr
+  assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_vs_transformers_smoke_run_records_the_protocol(tmp_path):
+  """A tiny run from the file path (no sys.path tricks): alternated runs, compile time apart, the load
+  average, a matmul peak, the device, every sampler setting (with the backend's MoE choice), the commit;
+  the warning for the load in the JSON (forced by --max_load=-1 with --allow_load)."""
+  pytest.importorskip("transformers")
+  output = tmp_path / "out.json"
+  result = _vs_transformers("--max_load=-1", "--allow_load", f"--output={output}", module=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads(output.read_text())
+  machine = results["machine"]
+  assert {"device", "backend", "load_average", "load_average_after", "git_commit", "torch_device"} <= set(machine)
+  assert machine["matmul_peak_tflops"] > 0 and machine["matmul_peak_dtype"] == "float32"
+  assert results["warnings"] and results["warnings"][0].startswith("LOADED MACHINE")
+  fixed = results["settings"]["fixed"]
+  assert fixed["stopping"] == "fixed" and fixed["moe_impl"] in ("grouped", "ragged")
+  assert fixed["vocab_chunk_size"] == "auto" and results["settings"]["transformers_fixed"]["max_denoising_steps"] == 16
+  (run,) = results["runs"]
+  assert len(run["ours_runs"]) == len(run["hf_runs"]) == 3 and run["ours_compile_seconds"] >= 0
+  assert run["ours_passes_per_canvas"] == run["hf_passes_per_canvas"] == 16  # both ran every step
+  assert results["breakdown"][0]["step_mfu"] > 0 and "LOADED MACHINE" in result.stdout
