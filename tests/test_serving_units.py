@@ -232,6 +232,7 @@ def test_shutdown_refuses_new_jobs_and_answers_the_waiting_ones_with_503():
 
 
 # ---------------------------------------------------------------------------------------- app in process
+@pytest.mark.timeout(180)  # without the deadline the requests would wait forever
 def test_the_app_answers_timeouts_unknown_routes_and_methods_in_openai_shape():
   from starlette.testclient import TestClient  # pylint: disable=import-outside-toplevel
   from diffusiongemma import serving  # pylint: disable=import-outside-toplevel
