@@ -7,17 +7,25 @@ The tiny model's weights are random: its answers are arbitrary text, so tests co
 answers (alone vs batched, streamed vs not, with and without a stop string), never with expected words.
 """
 
+import base64
 import concurrent.futures
+import io
 import json
 import subprocess
 import sys
 
 import httpx
+import numpy as np
+import PIL.Image
 import pytest
 
+import chat_fixtures
 import serving_helpers
+from diffusiongemma import build
+from diffusiongemma import serving
 from diffusiongemma.chat import format as fmt
 from diffusiongemma.data import hf_tokenizer
+from diffusiongemma.serving import requests as requests_lib
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -96,17 +104,17 @@ def test_seeds_reproduce_and_max_tokens_caps_the_completion(client, model):
 
 
 def test_streaming_sends_each_canvas_while_the_next_denoises_and_ends_with_done(client, model, server):
-  for seed in range(40):  # a reply whose first canvas has answer text and does not end it
+  for seed in range(40):  # a reply whose first committed canvas holds answer text, and a second canvas
     content, _, events = _stream(client, model, "Stream please.", seed=seed, extra_body={"stream_canvas": True})
-    kinds = [kind for kind, _ in events]
-    canvases = [c["canvas"] for kind, c in events if kind == "canvas"]
-    if "delta" in kinds and 1 in canvases:
+    committed = [c for kind, c in events if kind == "canvas" and c["canvas"] == 0 and c["complete"]]
+    second = [i for i, (kind, c) in enumerate(events) if kind == "canvas" and c["canvas"] == 1]
+    if committed and committed[0]["draft"]["content"].strip() and second:
       break
   else:
     pytest.fail("no seed gave a two-canvas streamed answer")
-  first_delta = kinds.index("delta")
-  assert first_delta < kinds.index("canvas") + canvases.index(1)  # text arrived before canvas 1 was denoised
-  assert kinds[-1] == "final"
+  before = "".join(c.choices[0].delta.content or "" for kind, c in events[:second[0]] if kind == "delta")
+  assert before == committed[0]["draft"]["content"].rstrip()  # canvas 0's text, sent before canvas 1 ran
+  assert events[-1][0] == "final"
   passes = [c["pass"] for kind, c in events if kind == "canvas" and c["canvas"] == 0]
   assert passes == list(range(1, len(passes) + 1)) and len(passes) >= 2
   canvas = next(c for kind, c in events if kind == "canvas")
@@ -249,3 +257,27 @@ def test_the_load_script_reports_and_every_request_is_answered_once(server):
     assert run["latency_seconds"]["p50"] <= run["latency_seconds"]["p99"]
   assert max(int(size) for size in report["server_batch_sizes"]) > 1  # the concurrent run was batched
   print(f"throughput concurrent/one-at-a-time (rough, loaded machine): {report['throughput_ratio']}")
+
+
+def test_images_as_data_urls_become_the_images_soft_tokens(tmp_path):
+  """With a vision checkpoint, a data-URL image is preprocessed and its placeholder expanded in the prompt
+  (checked on the prepared request; generation with images is `Sampler.generate`'s, tested there)."""
+  ids = tuple(chat_fixtures.tokenizer_pieces().index(t) for t in ("<|image|>", "<|image>", "<image|>"))
+  chat_fixtures.write_chat_checkpoint(tmp_path, vision_config=dict(
+      hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+      head_dim=8, patch_size=4, pooling_kernel_size=3, position_embedding_size=64), image_token_ids=ids)
+  loaded = build.pretrained(tmp_path, dtype="float32")
+  engine = serving.Engine(loaded.sampler, loaded.weights.variables, loaded.tokenizer, model_name="v",
+                          image_budget=70)
+  png = io.BytesIO()
+  PIL.Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(png, "PNG")
+  url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+  request = requests_lib.parse({"model": "v", "messages": [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]}]}, "chat",
+                               ("v",), 64)
+  prepared = engine.prepare(request)
+  (image,) = prepared.images
+  begin = prepared.ids.index(ids[1])
+  assert prepared.ids[begin + 1:begin + 1 + image.num_soft_tokens] == (ids[0],) * image.num_soft_tokens
+  assert prepared.ids[begin + 1 + image.num_soft_tokens] == ids[2] and image.num_soft_tokens > 0
+  assert prepared.key[-1] == 1  # images batch only with requests holding as many
