@@ -157,6 +157,11 @@ def test_json_schema_replies_validate(client, model):
     assert reply.choices[0].finish_reason in ("stop", "length")  # complete JSON either way
 
 
+def test_the_regex_extension(client, model):
+  reply = _chat(client, model, "Yes or no?", seed=3, response_format={"type": "regex", "regex": "(yes|no|maybe)"})
+  assert reply.choices[0].message.content in ("yes", "no", "maybe")
+
+
 def test_batching_does_not_change_a_requests_result(client, model, server):
   prompts = [f"Question {i}: {'why ' * i}?" for i in range(6)]
   alone = [_chat(client, model, p, seed=100 + i) for i, p in enumerate(prompts)]

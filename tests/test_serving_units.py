@@ -71,6 +71,15 @@ def test_bad_fields_are_named(body, param, status):
   assert set(error.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
+def test_temperature_scales_the_checkpoints_schedule():
+  from diffusiongemma.diffusion import schedules  # pylint: disable=import-outside-toplevel
+  from diffusiongemma.serving import engine  # pylint: disable=import-outside-toplevel
+  assert [engine.temperature_scale(t) for t in (0, 0.04, 0.44, 1, 2)] == [0.05, 0.05, 0.4, 1.0, 2.0]
+  scaled = engine.Scaled(schedules.Linear(0.8, 0.4), 0.5)
+  assert [round(float(scaled(n, 4)), 4) for n in (4, 1)] == [0.4, 0.25]
+  assert hash(scaled) == hash(engine.Scaled(schedules.Linear(0.8, 0.4), 0.5))  # one program per value
+
+
 def test_deep_and_malformed_json_are_400_not_500():
   for raw in (b"[" * 100_000 + b"]" * 100_000, b'{"a": ' * 70 + b"1" + b"}" * 70, b"{", b"\xff", b"[1]"):
     with pytest.raises(APIError) as error:
