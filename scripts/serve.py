@@ -23,6 +23,7 @@ from ml_collections import config_flags
 import uvicorn
 
 from diffusiongemma import build
+from diffusiongemma import parallel
 from diffusiongemma import serving
 from diffusiongemma.chat import format as chat_format
 from diffusiongemma.data import hf_tokenizer
@@ -95,6 +96,9 @@ def main(argv):
   log.addHandler(handler)
   log.setLevel(logging.INFO)
   log.propagate = False  # plain JSON lines, not absl's prefixed format
+  # Only partly useful here: jax does not store programs with host callbacks, and every sampler program of
+  # the server streams its passes (`on_pass`), so warm-up compiles again in each process.
+  parallel.enable_compilation_cache(_WORKDIR.value)
   sampler, variables, tokenizer, max_new, empty_thought, name = _model()
   engine = serving.Engine(sampler, variables, tokenizer, model_name=_MODEL_NAME.value or name,
                           max_tokens=_MAX_TOKENS.value or max_new or 256, max_tokens_limit=_MAX_TOKENS_LIMIT.value,
