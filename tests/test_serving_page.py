@@ -6,6 +6,7 @@ The screenshot is written under the test's tmp dir; with `DG_KEEP_ARTIFACTS=1` i
 `results/serve_page.png`.
 """
 
+import json
 import os
 import pathlib
 import shutil
@@ -46,6 +47,15 @@ def test_the_page_shows_the_canvas_denoising_and_the_final_answer(server, tmp_pa
       page.on("pageerror", lambda e: errors.append(str(e)))
       page.goto(server.url + "/")
       page.wait_for_function("document.getElementById('model').textContent === " + repr(model), timeout=30_000)
+      schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+      page.fill("#schema", json.dumps(schema))
+      page.check("#thinking")
+      body = page.evaluate("requestBody()")  # what the schema box and the thinking switch send
+      assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "page_schema",
+                                                                               "schema": schema}}
+      assert body["reasoning_effort"] == "medium" and body["stream_canvas"] is True
+      page.fill("#schema", "")
+      page.uncheck("#thinking")
       page.fill("#seed", str(seed))
       page.fill("#message", MESSAGE)
       page.click("#send")
