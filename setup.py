@@ -6,10 +6,10 @@ setuptools.setup(
     name="diffusiongemma",
     version="0.1.0",
     description="DiffusionGemma block diffusion in JAX/Flax: train, sample, convert, scale.",
-    # benchmarks/: side-by-side and component benchmarks, `python -m benchmarks.<name>` from anywhere.
     # benchmarks/: side-by-side and component benchmarks; projects/: worked projects (python -m projects.<name>.<module>).
     packages=setuptools.find_packages(include=["diffusiongemma", "diffusiongemma.*", "benchmarks", "projects",
                                                "projects.*"]),
+    package_data={"diffusiongemma.serving": ["static/*"]},  # the web page
     python_requires=">=3.10",
     install_requires=[
         "jax==0.10.2",
@@ -32,11 +32,15 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
-                 "imageio>=2.38", "av>=14", "lm-eval==0.4.13"],
+                 "imageio>=2.38", "av>=14", "lm-eval==0.4.13",
+                 # The server's tests: its runtime, the official client, a real browser (Debian's chromium).
+                 "starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28", "openai>=3.51", "playwright>=1.65"],
         # lm-evaluation-harness: the `diffusiongemma` model class (build/harness.py) and its script.
         "eval": ["lm-eval==0.4.13"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
+        # The OpenAI-compatible server (scripts/serve.py, diffusiongemma.serving).
+        "serve": ["starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.
         "video": ["imageio>=2.38", "av>=14"],
     },

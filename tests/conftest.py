@@ -1,9 +1,10 @@
-"""Session-wide test setup."""
+"""Session-scoped fixtures shared by test modules (each built once per run, on first use)."""
 
 import os
 
 import pytest
 
+import chat_fixtures
 from diffusiongemma.parallel import compilation_cache
 
 
@@ -15,3 +16,30 @@ def shared_compilation_cache(tmp_path_factory):
   if not os.environ.get(compilation_cache.ENV_VAR):
     os.environ[compilation_cache.ENV_VAR] = str(tmp_path_factory.mktemp("compilation_cache"))
   yield os.environ[compilation_cache.ENV_VAR]
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+  """A tiny complete transformers checkpoint folder with a chat tokenizer (tests/chat_fixtures.py;
+  written by transformers, so it needs torch): random weights, canvas 8, 12 denoising steps, replies of
+  16 tokens (2 canvases) by default."""
+  pytest.importorskip("torch")
+  folder = tmp_path_factory.mktemp("chat_checkpoint")
+  chat_fixtures.write_chat_checkpoint(folder)
+  return folder
+
+
+@pytest.fixture(scope="session")
+def server(chat_checkpoint, tmp_path_factory):
+  """One server process (scripts/serve.py) over `chat_checkpoint` for every test that talks to it: batches
+  of up to 8 (one compiled size, so one compilation at start-up), 50 ms admission window, max_tokens up to
+  10^6 (so that the model's context, not the server's limit, refuses the largest)."""
+  import serving_helpers  # pylint: disable=import-outside-toplevel
+  process = serving_helpers.ServerProcess(chat_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
+                                          "--batch_sizes=8", "--admission_ms=50",
+                                          "--max_tokens_limit=1000000")
+  try:
+    process.wait()
+    yield process
+  finally:
+    process.stop()

@@ -15,8 +15,9 @@ LAYERS = {
     "diffusion": 2,
     "data": 3, "convert": 3,
     "sampling": 4, "training": 4,
-    "chat": 5, "serving": 5, "evaluation": 5,
-    "build": 6,
+    "chat": 5, "evaluation": 5,
+    "serving": 6,  # above chat: it serves conversations in the chat format
+    "build": 7,
 }
 
 

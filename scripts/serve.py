@@ -1,0 +1,116 @@
+r"""Serve a DiffusionGemma model over an OpenAI-compatible HTTP API, with a web page at `/`.
+
+  python scripts/serve.py --hf_checkpoint=DIR [--host=127.0.0.1] [--port=8000]
+  python scripts/serve.py --config=configs/tiny.py --workdir=W [--tokenizer=DIR]   # a training run
+
+Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, and the page at /. Requests that
+arrive together run as one batch (`--batch_sizes` are compiled at start-up; `--admission_ms` is how long
+the scheduler waits for company). More than `--max_queue` waiting requests get 429; a request not done
+within `--request_timeout` seconds gets 504. On SIGTERM (or Ctrl-C) the server stops accepting, lets what
+is queued or running finish for `--shutdown_grace` seconds, answers the rest with 503, and exits 0.
+Logs are JSON lines on stderr, one per request (tokens, passes, batch size, queue and total time) and
+per batch.
+"""
+
+import logging
+import pathlib
+import signal
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+import uvicorn
+
+from diffusiongemma import build
+from diffusiongemma import parallel
+from diffusiongemma import serving
+from diffusiongemma.chat import format as chat_format
+from diffusiongemma.data import hf_tokenizer
+from diffusiongemma.sampling import presets
+
+_HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (instead of --hf_checkpoint).")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "With --workdir: the run's config (default: the "
+                                          "one it saved).", lock_config=True)
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "With --workdir: a checkpoint folder whose tokenizer to use "
+                                 "(default: the workdir's tokenizer.json, else its sentencepiece model, which "
+                                 "serves /v1/completions only).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
+_MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's name).")
+_PRESET = flags.DEFINE_string("preset", "default", "Sampler preset: default, code or creative.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Default reply length; 0: the checkpoint's, else 256.")
+_MAX_TOKENS_LIMIT = flags.DEFINE_integer("max_tokens_limit", 4096, "The most tokens a request may ask for.")
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Compiled batch sizes (the largest is the "
+                                 "most requests per batch).")
+_ADMISSION_MS = flags.DEFINE_float("admission_ms", 10.0, "How long a free device waits for requests to batch.")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests beyond this get 429.")
+_TIMEOUT = flags.DEFINE_float("request_timeout", 600.0, "Seconds a request may take in all (queue included).")
+_GRACE = flags.DEFINE_float("shutdown_grace", 30.0, "Seconds in-flight requests get to finish on SIGTERM.")
+_WARM_UP = flags.DEFINE_integer("warm_up", 1, "Before serving, compile every batch size for this many of the "
+                                 "smallest prompt buckets (64, 256, 1024, ... tokens); 0: compile on demand.")
+
+
+def _model():
+  """(sampler, variables, tokenizer, default reply length, empty-thought prefill, name) of the flags."""
+  if _HF.value:
+    loaded = build.pretrained(_HF.value, preset=_PRESET.value, dtype=_DTYPE.value)
+    return (loaded.sampler, loaded.weights.variables, loaded.tokenizer, loaded.max_new_tokens,
+            chat_format.template_prefills_empty_thought(_HF.value), pathlib.Path(_HF.value).resolve().name)
+  if _WORKDIR.value:
+    workdir = pathlib.Path(_WORKDIR.value)
+    config = _CONFIG.value or build.workdir_config(workdir)
+    if config is None:
+      raise app.UsageError(f"{workdir} has no saved config.json: pass --config.")
+    weights = build.load(config, workdir=workdir)
+    sampler = build.sampler(config, weights.model_config, **presets.preset_overrides(_PRESET.value))
+    if _TOKENIZER.value or (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():
+      tokenizer = hf_tokenizer.CheckpointTokenizer(_TOKENIZER.value or workdir)
+    else:
+      tokenizer = build.tokenizer(config, workdir)
+    return (sampler, weights.variables, tokenizer, build.max_new_tokens(config), False, workdir.resolve().name)
+  raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --workdir=DIR.")
+
+
+class _Server(uvicorn.Server):
+  """uvicorn, telling the scheduler to drain when a shutdown signal arrives."""
+
+  def __init__(self, config, scheduler, grace: float):
+    super().__init__(config)
+    self.scheduler, self.grace = scheduler, grace
+
+  def handle_exit(self, sig, frame):
+    if not self.should_exit and getattr(self.scheduler, "loop", None) is not None:
+      self.scheduler.loop.call_soon_threadsafe(self.scheduler.begin_shutdown, self.grace)
+    super().handle_exit(sig, frame)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  log = logging.getLogger("diffusiongemma.serving")
+  log.addHandler(handler)
+  log.setLevel(logging.INFO)
+  log.propagate = False  # plain JSON lines, not absl's prefixed format
+  # Only partly useful here: jax does not store programs with host callbacks, and every sampler program of
+  # the server streams its passes (`on_pass`), so warm-up compiles again in each process.
+  parallel.enable_compilation_cache(_WORKDIR.value)
+  sampler, variables, tokenizer, max_new, empty_thought, name = _model()
+  engine = serving.Engine(sampler, variables, tokenizer, model_name=_MODEL_NAME.value or name,
+                          max_tokens=_MAX_TOKENS.value or max_new or 256, max_tokens_limit=_MAX_TOKENS_LIMIT.value,
+                          empty_thought=empty_thought, batch_sizes=[int(b) for b in _BATCH_SIZES.value])
+  application = serving.create_app(engine, admission_window=_ADMISSION_MS.value / 1000, max_queue=_MAX_QUEUE.value,
+                                   request_timeout=_TIMEOUT.value, warm_up=_WARM_UP.value)
+  config = uvicorn.Config(application, host=_HOST.value, port=_PORT.value, access_log=False, log_level="warning",
+                          timeout_graceful_shutdown=int(_GRACE.value) + 5)
+  # uvicorn re-raises the signal it shut down on once it is done: end with status 0 then.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+  _Server(config, application.state.scheduler, _GRACE.value).run()
+
+
+if __name__ == "__main__":
+  app.run(main)
