@@ -18,6 +18,7 @@ from diffusiongemma import diffusion
 from diffusiongemma.build.config import load_config_file
 from diffusiongemma.diffusion import acceptance, stopping
 from diffusiongemma.sampling import autoregressive, sampler as sampler_lib, stats, steps
+from diffusiongemma.sampling import vocab as vocab_lib
 import notebooks
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -68,7 +69,7 @@ def ar_sampler(model):
 
 def compiled_programs() -> int:
   """Programs compiled so far for every diffusion sampler (jit's cache of the generation program)."""
-  return sampler_lib._program._cache_size()  # pylint: disable=protected-access
+  return sampler_lib.compiled_programs()
 
 
 def _stats(entropy=None, confidence=None):
@@ -223,6 +224,76 @@ def test_confidence_and_count_rules():
   np.testing.assert_array_equal(acceptance.Confidence(0.97)(conf, no_last), [[1, 0, 0, 0], [0, 0, 1, 0]])
   np.testing.assert_array_equal(acceptance.TopCount(2)(conf, all_), [[1, 0, 0, 1], [0, 1, 1, 0]])
   np.testing.assert_array_equal(acceptance.TopCount(3)(conf, no_last), [[1, 1, 1, 0], [1, 0, 1, 1]])
+
+
+def test_margin_rule_on_hand_written_margins():
+  """Margin accepts where top-1 minus top-2 probability reaches the threshold, else the single largest
+  margin; a confident but torn position (0.5 / 0.45) waits where Confidence(0.4) would take it."""
+  stats = _stats(confidence=jnp.array([[0.50, 0.97, 0.60, 0.30]]))
+  stats = stats.replace(margin=jnp.array([[0.05, 0.95, 0.55, 0.10]]))
+  all_ = jnp.ones((1, 4), bool)
+  np.testing.assert_array_equal(acceptance.Margin(0.5)(stats, all_), [[0, 1, 1, 0]])
+  np.testing.assert_array_equal(acceptance.Margin(0.99)(stats, all_), [[0, 1, 0, 0]])  # none: the best
+  np.testing.assert_array_equal(acceptance.Margin(0.99)(stats, all_.at[0, 1].set(False)), [[0, 0, 1, 0]])
+  np.testing.assert_array_equal(acceptance.Confidence(0.4)(stats, all_), [[1, 1, 1, 0]])
+  with pytest.raises(ValueError, match="needs TokenStats.margin"):
+    acceptance.Margin(0.5)(stats.replace(margin=None), all_)
+  for bad in (0.0, 1.5, float("nan"), True):
+    with pytest.raises(ValueError, match="Margin.threshold"):
+      acceptance.Margin(bad)
+
+
+@pytest.mark.parametrize("chunk", [None, 3, 5])
+def test_streamed_margin_equals_the_whole_vocabulary(chunk):
+  """The head's runner-up logit is tracked across chunks: the margin equals sorted-softmax top-1 minus
+  top-2 (ties give 0), whatever the chunking."""
+  rng = np.random.default_rng(4)
+  table = jnp.asarray(rng.normal(size=(11, 6)), jnp.float32)
+  hidden = jnp.asarray(rng.normal(size=(2, 5, 6)) * 3, jnp.float32)
+  hidden = hidden.at[1, 0].set(0.0)  # all logits equal: margin 0
+  head = vocab_lib.VocabHead(vocab_size=11, softcap=None, dtype="float32", chunk_size=chunk, margin=True)
+  out = head(table, hidden, jnp.float32(0.7), jnp.zeros((2, 5)))
+  probs = np.sort(np.asarray(jax.nn.softmax((hidden @ table.T) / 0.7, axis=-1)), -1)
+  np.testing.assert_allclose(out.stats.margin, probs[..., -1] - probs[..., -2], atol=1e-6)
+  assert float(out.stats.margin[1, 0]) == pytest.approx(0.0, abs=1e-7)
+  assert vocab_lib.VocabHead(vocab_size=11, softcap=None, dtype="float32")(
+      table, hidden, jnp.float32(0.7), jnp.zeros((2, 5))).stats.margin is None
+
+
+def test_schedules_run_from_t_max_towards_t_min():
+  n = jnp.arange(4, 0, -1)
+  np.testing.assert_allclose(diffusion.Linear(0.8, 0.4)(n, 4), [0.8, 0.7, 0.6, 0.5], rtol=1e-6)
+  cosine = np.asarray(diffusion.Cosine(1.0, 0.5)(n, 4))
+  np.testing.assert_allclose(cosine, 0.5 + 0.25 * (1 - np.cos(np.pi * np.arange(4, 0, -1) / 4)), rtol=1e-6)
+  assert cosine[0] == pytest.approx(1.0) and (np.diff(cosine) < 0).all()
+  np.testing.assert_allclose(diffusion.Constant(0.6)(n, 4), 0.6)
+  with pytest.raises(ValueError, match="t_min=0.9 is invalid: must be at most t_max=0.5"):
+    diffusion.Cosine(0.5, 0.9)
+  with pytest.raises(ValueError, match="Constant.temperature=-1"):
+    diffusion.Constant(-1)
+
+
+def test_on_pass_streams_every_pass_live_and_changes_nothing(params, sampler):
+  """`generate(on_pass=fn)` hands fn each pass of each canvas, in order, equal to the returned trace; the
+  tokens are those of the call without it; any callable shares one program; a listener's error surfaces."""
+  prompts, keys = _prompts(9), _keys(4, 5, 6)
+  plain = sampler.generate(params, prompts, keys, max_new_tokens=NEW, return_trace=True)
+  events = []
+  compiled = compiled_programs()
+  streamed = sampler.generate(params, prompts, keys, max_new_tokens=NEW, return_trace=True,
+                              on_pass=events.append)
+  np.testing.assert_array_equal(streamed.tokens, plain.tokens)
+  passes = np.asarray(plain.canvas_passes)
+  expected = [(k, n) for k in range(passes.shape[1]) for n in range(passes[:, k].max())]
+  assert [(e.canvas_index, e.step) for e in events] == expected
+  for e in events:
+    np.testing.assert_array_equal(e.argmax, np.asarray(plain.trace.argmax)[e.canvas_index, e.step])
+    np.testing.assert_array_equal(e.accepted, np.asarray(plain.trace.accepted)[e.canvas_index, e.step])
+    np.testing.assert_array_equal(e.active, e.step < passes[:, e.canvas_index])
+  sampler.generate(params, prompts, keys, max_new_tokens=NEW, return_trace=True, on_pass=lambda e: None)
+  assert compiled_programs() == compiled + 1  # one streaming program for both listeners
+  with pytest.raises(ValueError, match="on_pass must be a callable"):
+    sampler.generate(params, prompts, keys, max_new_tokens=NEW, on_pass="print")
 
 
 def test_token_stats_and_acceptance_from_logits():
