@@ -229,6 +229,52 @@ def test_infilling_with_a_constraint(params, sampler, regex_constraint):
     assert text.startswith("ab-") and re.fullmatch(REGEX, text), text
 
 
+def _completable(automaton, state: int, tokens, held) -> bool:
+  """Whether some output continues from `state` through `tokens` (held where `held`, free elsewhere) into
+  acceptance: a forward walk over state sets, independent of the dynamic programs under test."""
+  states = {state} - {automaton.dead}
+  live = automaton.transitions != automaton.dead
+  for token, is_held in zip(tokens, held):
+    if is_held:
+      nxt = {int(automaton.transitions[s, automaton.token_class[token]]) for s in states}
+    else:
+      nxt = {int(t) for s in states for t in automaton.transitions[s][live[s]]}
+    states = nxt - {automaton.dead}
+  return any(automaton.accepting[s] for s in states)
+
+
+@pytest.mark.parametrize("regex,held_at,held_text", [
+    (r"(?:[a-j]+|[0-9]+)-", (1, 0), "7-"),  # issue 27: the first canvas must end in digits
+    (r"[a-c]{1,16}(?:-[0-9]{2})?", (2, 1), "9"),  # held in the third canvas: 15 or 16 letters must come first
+])
+def test_held_text_in_later_canvases_is_respected(params, sampler, regex, held_at, held_text):
+  """Given tokens in a later canvas: every canvas ends in a state from which the held text and the rest
+  can still be completed (checked at every step against a forward walk), so every output matches."""
+  c, canvases = TINY.canvas_length, 3
+  ids = {ch: i for i, ch in VOCAB.items()}
+  constraint = constrained.Constraint.regex(regex, VOCAB, sampler)
+  a = constraint.automaton
+  initial = np.zeros((3, canvases * c), np.int32)
+  given = np.zeros((3, canvases * c), bool)
+  at = held_at[0] * c + held_at[1]
+  initial[:, at:at + len(held_text)] = [ids[ch] for ch in held_text]
+  given[:, at:at + len(held_text)] = True
+  for seed in range(2):
+    out = sampler.generate(params, _prompts(seed), jax.random.key(seed), canvases * c, initial_canvas=initial,
+                           given=given, constraint=constraint, return_trace=True)
+    tokens, passes = np.asarray(out.tokens), np.asarray(out.canvas_passes)
+    argmax = np.asarray(out.trace.argmax)  # [K, N, B, C]
+    for row in range(3):
+      text = _text(tokens[row], sampler)
+      assert re.fullmatch(regex, text), text
+      assert tokens[row, at:at + len(held_text)].tolist() == [ids[ch] for ch in held_text], text
+      for k in range(canvases):
+        for n in range(passes[row, k]):
+          state = a.advance(tokens[row, :k * c].tolist() + argmax[k, n, row].tolist())
+          end = (k + 1) * c
+          assert _completable(a, state, initial[row, end:], given[row, end:]), (seed, row, k, n)
+
+
 # ---------------------------------------------------------------------------------------- bad input
 def test_bad_input_is_refused_before_compiling(params, sampler, regex_constraint, model):
   with pytest.raises(ValueError, match="unsatisfiable"):

@@ -267,6 +267,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   if cache is None:  # room for the prompt and every canvas but the last, which is never encoded
     cache = KVCache.empty(mc, b, prompt.shape[1] + (num_canvases - 1) * c)
   cache = sampler.encode(variables, prompt, cache, lengths, images)
+  ends = None if constraint is None else cons.canvas_ends(tables, num_canvases, initial, given)  # [K, B, S]
 
   def canvas_body(loop: _CanvasLoop) -> _CanvasLoop:
     k = loop.index
@@ -280,8 +281,8 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype, held)
     denoiser = sampler.denoiser(variables, loop.cache)
     if constraint is not None:
-      denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint.for_canvas(
-          tables, loop.automaton_state, (num_canvases - 1 - k) * c))
+      denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint(
+          tables=tables, start=loop.automaton_state, end_ok=ends[k]))
     state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace)
     committed = state.argmax  # [B, C]
     is_stop = jnp.isin(committed, stop_tokens)
