@@ -153,6 +153,58 @@ def test_the_step_commits_the_brute_force_best_canvas(noise):
     assert np.asarray(state.fixed).any()
 
 
+@pytest.mark.parametrize("noise", sorted(NOISES))
+def test_each_step_keeps_statistics_draws_and_acceptance_inside_the_allowed_set(noise):
+  """At every constrained step: the entropies and the self-conditioning embedding are those of the tempered
+  distribution restricted to the tokens some accepted canvas through the held positions uses there (the
+  brute-force set), and the argmax, every draw the head reports and every accepted token lie in that
+  set. The Viterbi commit and repair would keep outputs valid without the restriction: this catches it."""
+  v, c, d, b = 10, 4, 8, 4
+  never = 9 if noise == "masked" else None
+  automaton = cons.from_regex("(ab|c)+d?", {2: "a", 3: "b", 4: "ab", 5: "c", 6: "d", 7: "e", 8: "ba"}, v,
+                              stop_tokens=[1], pad_id=0, disallowed_tokens=[] if never is None else [never])
+  tables = cons.AutomatonTables.from_automaton(automaton, padded=True)
+  rng = np.random.default_rng(3)
+  table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
+  hidden = jnp.asarray(rng.normal(size=(b, c, d)), jnp.float32)
+  noise_process = diffusion.UniformNoise(v) if never is None else diffusion.MaskedNoise(v, never)
+  rules = steps.Rules(max_denoising_steps=4, t_max=3.0, t_min=1.5, noise=noise_process,
+                      acceptance=acceptance.EntropyBound(1.0), stopping=stopping.NoEarlyStop())
+  head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32", never_token=never)
+  start = jnp.full((b,), automaton.start, jnp.int32)
+  seen = []
+  denoiser = steps.Denoiser(lambda *args: hidden, head, table, on_pass=lambda stats, _: seen.append(stats),
+                            constraint=constrained.CanvasConstraint.for_canvas(tables, start, jnp.asarray(1)))
+  keys = jax.random.split(jax.random.key(7), b)
+  state = steps.init_state(rules, noise_process.initial_canvas(keys, c), jnp.zeros((b,), bool), d)
+  end_ok = np.asarray(cons.end_mask(tables, jnp.full((b,), 1)))[:, :automaton.num_states]
+  outside = 0
+  for _ in range(rules.max_denoising_steps):
+    before = state
+    state = steps.denoise_step(rules, denoiser, before, keys)  # eager, so on_pass sees the values
+    stats = jax.tree.map(np.asarray, seen[-1])
+    temp = steps.temperature(rules, rules.max_denoising_steps - before.step)
+    scores = np.asarray(head.scaled_logits(table, hidden, 0, temp))  # [B, C, V], unrestricted
+    _, allowed = _brute_force(automaton, scores, np.asarray(start), end_ok, np.asarray(before.fixed),
+                              np.asarray(before.canvas))
+    restricted = np.where(allowed, scores, -np.inf)
+    probs = np.exp(restricted - restricted.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1)), 0), axis=-1)
+    np.testing.assert_allclose(stats.entropy, entropy, atol=1e-4)
+    live = ~np.asarray(before.done)  # rows done earlier keep their embedding
+    np.testing.assert_allclose(np.asarray(state.sc_embedding)[live], (probs @ np.asarray(table) * np.sqrt(d))[live],
+                               atol=1e-4)
+    pick = lambda tokens: np.take_along_axis(allowed, np.asarray(tokens)[..., None], -1)[..., 0]
+    assert pick(stats.argmax).all()
+    drawn = stats.sample >= 0
+    assert pick(np.where(drawn, stats.sample, stats.argmax)).all() and drawn.any()
+    accepted = np.asarray(state.accepted)
+    assert accepted.any() and pick(np.asarray(state.canvas))[accepted].all()
+    outside += int((~allowed).sum())
+  assert outside > 0  # the restriction had something to remove
+
+
 @pytest.fixture(scope="module")
 def json_setup(tmp_path_factory):
   from test_constraints import _CORPUS  # pylint: disable=import-outside-toplevel
@@ -279,8 +331,12 @@ def test_held_text_in_later_canvases_is_respected(params, sampler, regex, held_a
 def test_bad_input_is_refused_before_compiling(params, sampler, regex_constraint, model):
   with pytest.raises(ValueError, match="unsatisfiable"):
     constrained.Constraint.regex(r"a[^\s\S]", VOCAB, sampler)
-  with pytest.raises(ValueError, match="Cannot compile the JSON schema"):
+  with pytest.raises(ValueError, match="JSON schema at #/type: must be one of"):
     constrained.Constraint.json_schema({"type": "foo"}, VOCAB, sampler)
+  with pytest.raises(ValueError, match=r"JSON schema at #/properties/n/multipleOf: 'multipleOf' is not supported"):
+    constrained.Constraint.json_schema({"properties": {"n": {"type": "integer", "multipleOf": 2}}}, VOCAB, sampler)
+  with pytest.raises(ValueError, match=r"Invalid regex '\[a-': unterminated character set at position 0"):
+    constrained.Constraint.regex("[a-", VOCAB, sampler)
   compiled = compiled_programs()
   prompts, key = _prompts(0), jax.random.key(0)
   long = constrained.Constraint.regex("[a-c]{20}", VOCAB, sampler)

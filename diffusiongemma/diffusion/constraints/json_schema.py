@@ -214,14 +214,19 @@ class _Compiler:
     if "const" in schema and "enum" in schema:
       values = [v for v in values if _json_key(v) in {_json_key(e) for e in schema["enum"]}]
     kinds = self.types(schema, path, assertions) if "type" in schema else None
-    texts = []
-    for v in values:
-      try:
-        if kinds is None or any(_has_type(v, k) for k in kinds):
-          texts.append(json.dumps(v, ensure_ascii=False, allow_nan=False, separators=(",", ":")))
-      except ValueError as e:
-        self.fail(path, f"enum/const value {v!r} is not JSON ({e}).")
-    return rx.alt(*(rx.literal(t) for t in texts))
+    try:
+      return rx.alt(*(self.value(v) for v in values if kinds is None or any(_has_type(v, k) for k in kinds)))
+    except ValueError as e:
+      self.fail(path, f"an enum/const value is not JSON ({e}).")
+
+  def value(self, value):
+    """The texts of one JSON value, whitespace between its tokens as elsewhere."""
+    if isinstance(value, Mapping):
+      members = [self.member(k, self.value(v)) for k, v in value.items()]
+      return rx.seq(rx.literal("{"), self.ws, self.joined(members), self.ws, rx.literal("}"))
+    if isinstance(value, (list, tuple)):
+      return rx.seq(rx.literal("["), self.ws, self.joined([self.value(v) for v in value]), self.ws, rx.literal("]"))
+    return rx.literal(json.dumps(value, ensure_ascii=False, allow_nan=False))
 
   def ref(self, ref: str, path: str):
     if not ref.startswith("#"):
