@@ -29,7 +29,8 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
-                 "imageio>=2.38", "av>=14"],
+                 "rfc3339-validator",  # jsonschema checks the date-time and time formats only with it
+                 "hypothesis", "imageio>=2.38", "av>=14"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.

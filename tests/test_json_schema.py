@@ -199,6 +199,28 @@ def test_random_outputs_validate(name, schema):
       assert not errors, (text, errors)
 
 
+@pytest.mark.parametrize("kind,bounds", [("integer", [(-3, 4), (0, 0), (-10, -2), (2, 13), (-2.5, 3.5), (7, 120)]),
+                                         ("number", [(-3, 4), (0, 0), (-10, -2), (2, 13), (0, 1), (-1, 0)])])
+def test_numeric_bounds_match_jsonschema_on_a_grid(kind, bounds):
+  """Every pair of bound keywords on a grid: an accepted text is valid, and a valid text in the canonical
+  spelling (an integer; for numbers also a decimal) is accepted."""
+  texts = [str(i) for i in range(-130, 131)] + [f"{k / 8}" for k in range(-120, 121) if k % 8] + ["-0", "3.0", "0.50"]
+  for lo_key in ("minimum", "exclusiveMinimum", None):
+    for hi_key in ("maximum", "exclusiveMaximum", None):
+      for lo, hi in bounds:
+        schema = {"type": kind, **({lo_key: lo} if lo_key else {}), **({hi_key: hi} if hi_key else {})}
+        validator = _validator(schema)
+        try:
+          automaton = _automaton(schema)
+        except ValueError as e:
+          assert "admits no value" in str(e) and not any(validator.is_valid(json.loads(t)) for t in texts)
+          continue
+        for text in texts:
+          valid, accepted = validator.is_valid(json.loads(text)), automaton.accepts(_tokens(text))
+          canonical = text == str(json.loads(text)) and (kind == "number" or "." not in text)
+          assert accepted <= valid and (accepted or not valid or not canonical), (schema, text)
+
+
 @pytest.mark.parametrize("schema,where", REFUSED, ids=[w for _, w in REFUSED])
 def test_unsupported_keyword_is_refused_with_its_path(schema, where):
   with pytest.raises(ValueError, match=f"JSON schema at {re.escape(where)}"):

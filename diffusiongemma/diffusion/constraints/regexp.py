@@ -58,16 +58,19 @@ class Chars:
 
 @dataclasses.dataclass(frozen=True)
 class Seq:
+  """The items one after another (build with `seq`, which flattens and drops what matches only "")."""
   items: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class Alt:
+  """Any one of the options (build with `alt`, which flattens, dedupes and drops `EMPTY`)."""
   options: tuple
 
 
 @dataclasses.dataclass(frozen=True)
 class Repeat:
+  """lo to hi copies of node (build with `repeat`)."""
   node: object
   lo: int
   hi: int | None  # None: unbounded
