@@ -120,6 +120,7 @@ REFUSED = [  # (schema, the path and keyword the error must name)
     ({"type": "string", "pattern": r"(a)\1"}, "#/pattern"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "#/oneOf"),
     ({"oneOf": [{"enum": ["a", "b"]}, {"const": "b"}]}, "#/oneOf"),
+    ({"oneOf": [{"const": {"a": [1]}}, {"const": {"a": [1.0]}}]}, "#/oneOf"),  # equal JSON values
     ({"allOf": [{"type": "string"}, {"maxLength": 3}]}, "#/allOf"),
     ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, "#/required"),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1}, "#/minProperties"),

@@ -125,11 +125,15 @@ def _has_type(value, name: str) -> bool:
 
 
 def _json_key(value):
-  """A key equal for JSON-equal values (1 and 1.0 alike, true and 1 not)."""
+  """A key equal for JSON-equal values (1 and 1.0 alike, also inside arrays and objects; true and 1 not)."""
   kind = _json_type(value)
   if kind in ("integer", "number"):
     return "number", float(value)
-  return kind, json.dumps(value, sort_keys=True)
+  if kind == "array":
+    return kind, tuple(_json_key(v) for v in value)
+  if kind == "object":
+    return kind, tuple(sorted((k, _json_key(v)) for k, v in value.items()))
+  return kind, value
 
 
 class _Compiler:

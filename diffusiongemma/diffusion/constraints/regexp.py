@@ -30,9 +30,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import re._constants as sre  # pylint: disable=import-error
-import re._parser as sre_parse  # pylint: disable=import-error
 from collections.abc import Iterator
+
+try:  # Python's own regex parser (private, but the meaning of `re` itself)
+  import re._constants as sre  # pylint: disable=import-error
+  import re._parser as sre_parse  # pylint: disable=import-error
+except ImportError:  # Python 3.10
+  import sre_constants as sre  # pylint: disable=deprecated-module
+  import sre_parse  # pylint: disable=deprecated-module
 
 Ranges = tuple[tuple[int, int], ...]
 MAX_CODE_POINT = 0x10FFFE  # U+10FFFF is the automaton builder's start marker
@@ -45,6 +50,10 @@ _CATEGORIES = {
     sre.CATEGORY_SPACE: ("space", False), sre.CATEGORY_NOT_SPACE: ("space", True),
 }
 _PYTHON_CLASSES = {"digit": r"\d", "word": r"\w", "space": r"\s"}
+_REFUSED = {sre.GROUPREF: "a backreference", sre.GROUPREF_EXISTS: "a conditional group",
+            sre.ASSERT: "a lookahead/lookbehind", sre.ASSERT_NOT: "a negative lookahead/lookbehind",
+            getattr(sre, "POSSESSIVE_REPEAT", "-"): "a possessive repeat",  # (Python 3.11+)
+            getattr(sre, "ATOMIC_GROUP", "--"): "an atomic group"}
 _START_ANCHORS = (sre.AT_BEGINNING, sre.AT_BEGINNING_STRING)
 _END_ANCHORS = (sre.AT_END, sre.AT_END_STRING)
 
@@ -337,10 +346,7 @@ class _Translator:
         return EPSILON
       self.refuse("a word boundary (\\b or \\B)" if av in (sre.AT_BOUNDARY, sre.AT_NON_BOUNDARY) else
                   "an anchor (^, $, \\A, \\Z) away from the pattern's start or end")
-    names = {sre.GROUPREF: "a backreference", sre.GROUPREF_EXISTS: "a conditional group",
-             sre.ASSERT: "a lookahead/lookbehind", sre.ASSERT_NOT: "a negative lookahead/lookbehind",
-             sre.POSSESSIVE_REPEAT: "a possessive repeat", sre.ATOMIC_GROUP: "an atomic group"}
-    self.refuse(names.get(op, f"the construct {op}"))
+    self.refuse(_REFUSED.get(op, f"the construct {op}"))
 
   def char_class(self, items, unicode: bool) -> Ranges:
     negate, ranges = False, []
