@@ -173,15 +173,19 @@ def test_each_step_keeps_statistics_draws_and_acceptance_inside_the_allowed_set(
   head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32", never_token=never)
   start = jnp.full((b,), automaton.start, jnp.int32)
   seen = []
-  denoiser = steps.Denoiser(lambda *args: hidden, head, table, on_pass=lambda stats, _: seen.append(stats),
+  record = lambda stats, _: jax.debug.callback(seen.append, stats)  # the step's statistics, as computed
+  denoiser = steps.Denoiser(lambda *args: hidden, head, table, on_pass=record,
                             constraint=constrained.CanvasConstraint.for_canvas(tables, start, jnp.asarray(1)))
   keys = jax.random.split(jax.random.key(7), b)
   state = steps.init_state(rules, noise_process.initial_canvas(keys, c), jnp.zeros((b,), bool), d)
   end_ok = np.asarray(cons.end_mask(tables, jnp.full((b,), 1)))[:, :automaton.num_states]
+  step = jax.jit(lambda s: steps.denoise_step(rules, denoiser, s, keys))
   outside = 0
   for _ in range(rules.max_denoising_steps):
     before = state
-    state = steps.denoise_step(rules, denoiser, before, keys)  # eager, so on_pass sees the values
+    state = step(before)
+    jax.effects_barrier()  # the callback has run
+    assert len(seen) == int(state.step)
     stats = jax.tree.map(np.asarray, seen[-1])
     temp = steps.temperature(rules, rules.max_denoising_steps - before.step)
     scores = np.asarray(head.scaled_logits(table, hidden, 0, temp))  # [B, C, V], unrestricted
@@ -193,8 +197,8 @@ def test_each_step_keeps_statistics_draws_and_acceptance_inside_the_allowed_set(
     entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1)), 0), axis=-1)
     np.testing.assert_allclose(stats.entropy, entropy, atol=1e-4)
     live = ~np.asarray(before.done)  # rows done earlier keep their embedding
-    np.testing.assert_allclose(np.asarray(state.sc_embedding)[live], (probs @ np.asarray(table) * np.sqrt(d))[live],
-                               atol=1e-4)
+    want = probs @ np.asarray(table) * np.sqrt(d)
+    np.testing.assert_allclose(np.asarray(state.sc_embedding)[live], want[live], atol=1e-4)
     pick = lambda tokens: np.take_along_axis(allowed, np.asarray(tokens)[..., None], -1)[..., 0]
     assert pick(stats.argmax).all()
     drawn = stats.sample >= 0
@@ -325,6 +329,17 @@ def test_held_text_in_later_canvases_is_respected(params, sampler, regex, held_a
           state = a.advance(tokens[row, :k * c].tolist() + argmax[k, n, row].tolist())
           end = (k + 1) * c
           assert _completable(a, state, initial[row, end:], given[row, end:]), (seed, row, k, n)
+
+
+def test_constraints_of_similar_size_share_a_program(sampler):
+  """Equality is "same compiled program": small automata pad to one size; `one_program` pads a set to one."""
+  small = [constrained.Constraint.regex(r, VOCAB, sampler) for r in ("a+", "[0-9]{2}-b", REGEX)]
+  assert len(set(small)) == 1 and small[0].automaton is not small[1].automaton
+  big = constrained.Constraint.regex("(?:[a-j0-9]{3}-){20}", VOCAB, sampler)
+  assert big.automaton.num_states > 64 and big != small[0]
+  shared = constrained.one_program(small + [big])
+  assert len(set(shared)) == 1 and shared[0].tables.sizes == big.tables.sizes
+  assert [s.automaton for s in shared] == [c.automaton for c in small + [big]]
 
 
 # ---------------------------------------------------------------------------------------- bad input

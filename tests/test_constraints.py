@@ -327,7 +327,8 @@ def test_canvas_ends_match_brute_force_with_held_tokens_in_several_canvases(padd
       np.testing.assert_array_equal(ends[canvas, row, :automaton.num_states], want, err_msg=f"{row} {canvas}")
   free = np.asarray(cons.canvas_ends(tables, k, jnp.asarray(held)))  # nothing held: the distance test
   for canvas in range(k):
-    np.testing.assert_array_equal(free[canvas], np.asarray(cons.end_mask(tables, jnp.full((5,), (k - 1 - canvas) * c))))
+    after = jnp.full((5,), (k - 1 - canvas) * c)
+    np.testing.assert_array_equal(free[canvas], np.asarray(cons.end_mask(tables, after)))
 
 
 # ---------------------------------------------------------------------------------------- JSON outputs
@@ -398,7 +399,7 @@ def test_bad_constraints_raise_clear_errors(sp_vocab):
     cons.from_regex(r"a[^\s\S]", sp_vocab, **kw)
   with pytest.raises(ValueError, match=r"Invalid regex '\(ab': missing \), unterminated subpattern at position 0"):
     cons.from_regex(r"(ab", sp_vocab, **kw)
-  with pytest.raises(ValueError, match=r"Invalid regex 'a\{3,2\}': min repeat greater than max repeat at position 2"):
+  with pytest.raises(ValueError, match=r"Invalid regex 'a\{3,2\}': min repeat greater than max repeat at"):
     cons.from_regex(r"a{3,2}", sp_vocab, **kw)
   with pytest.raises(ValueError, match="No string of tokens"):
     cons.from_regex("abc", {3: "a", 4: "b"}, **kw)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import flax.struct
 import jax
@@ -75,11 +75,12 @@ class Constraint:
 
   automaton: cons.TokenAutomaton
   description: str = "constraint"
+  min_sizes: tuple[int, ...] | None = None  # pad the tables to at least these `AutomatonTables.sizes`
 
   @functools.cached_property
   def tables(self) -> cons.AutomatonTables:
     """The automaton as device arrays, padded to bucketed sizes (built once per constraint)."""
-    return cons.AutomatonTables.from_automaton(self.automaton, padded=True)
+    return cons.AutomatonTables.from_automaton(self.automaton, padded=True, min_sizes=self.min_sizes)
 
   def _program_key(self) -> tuple:
     return (self.automaton.start,) + tuple(jnp.shape(x) for x in jax.tree.leaves(self.tables))
@@ -125,6 +126,13 @@ class Constraint:
       raise ValueError(f"The constraint allows token {never}, which the {sampler.noise.name} noise never "
                        "samples (its mask token); build it with disallowed_tokens=[that id].")
     a.check_length(max_new_tokens)
+
+
+def one_program(constraints: Sequence[Constraint]) -> list[Constraint]:
+  """The constraints with their tables padded to common sizes, so that all of them run in one compiled
+  program (e.g. the schemas a server accepts); each keeps its own automaton."""
+  sizes = tuple(max(column) for column in zip(*(c.tables.sizes for c in constraints)))
+  return [dataclasses.replace(c, min_sizes=sizes) for c in constraints]
 
 
 def _automaton_args(sampler) -> dict:

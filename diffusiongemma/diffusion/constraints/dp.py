@@ -65,10 +65,12 @@ class AutomatonTables:
   accepting: Array  # [S] bool
 
   @classmethod
-  def from_automaton(cls, automaton: TokenAutomaton, padded: bool = False) -> AutomatonTables:
+  def from_automaton(cls, automaton: TokenAutomaton, padded: bool = False,
+                     min_sizes: tuple[int, ...] | None = None) -> AutomatonTables:
     """The tables of `automaton`; `padded`: every axis rounded up by `bucket` (at least one spare entry
-    each), so that programs compiled for one automaton serve all automata of the same bucketed sizes
-    (states keep their ids; the dead state becomes the padded `num_states`)."""
+    each), and to at least `min_sizes` (`sizes` order), so that programs compiled for one automaton serve
+    all automata of the same padded sizes (states keep their ids; the dead state becomes the padded
+    `num_states`)."""
     t = automaton.transitions
     groups: dict[bytes, int] = {}
     members, src, grp, dst = [], [], [], []
@@ -90,7 +92,7 @@ class AutomatonTables:
     distance, accepting = automaton.distance, automaton.accepting
     if padded:  # one spare state s0, class m0 and group g0 at least; spare members and edges use only them
       s0, m0, g0, p0, e0 = len(distance), t.shape[1], len(members), len(member_class), len(src)
-      s, m, g, p, e = (bucket(n + 1) for n in (s0, m0, g0, p0, e0))
+      s, m, g, p, e = (max(bucket(n + 1), least) for n, least in zip((s0, m0, g0, p0, e0), min_sizes or (0,) * 5))
       t = np.pad(np.where(t == automaton.dead, s, t), ((0, s - s0), (0, m - m0)), constant_values=s)
       member_class = np.pad(member_class, (0, p - p0), constant_values=m0)
       member_group = np.pad(member_group, (0, p - p0), constant_values=g0)
@@ -105,6 +107,12 @@ class AutomatonTables:
                member_class=i32(member_class), member_group=i32(member_group), group_size=i32(sizes),
                edge_src=i32(src), edge_group=i32(grp), edge_dst=i32(dst), distance=i32(distance),
                accepting=jnp.asarray(accepting))
+
+  @property
+  def sizes(self) -> tuple[int, int, int, int, int]:
+    """(states, classes, groups, group members, edges): the shapes a compiled program depends on."""
+    return (self.distance.shape[0], self.transitions.shape[1], self.group_size.shape[0],
+            self.member_class.shape[0], self.edge_src.shape[0])
 
   @property
   def num_states(self) -> int:

@@ -45,9 +45,9 @@ _OBJECT = frozenset({"properties", "required", "additionalProperties", "minPrope
 _COMBINATORS = ("anyOf", "oneOf", "allOf")
 SUPPORTED = frozenset({"type", "enum", "const", "$ref", *_COMBINATORS}) | _STRING | _NUMBER | _ARRAY | _OBJECT
 _COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"})
-_KINDS = {"pattern": str, "format": str, "$ref": str, "properties": Mapping, "$defs": Mapping, "definitions": Mapping,
-          "enum": list, "required": list, "uniqueItems": bool, "anyOf": list, "oneOf": list, "allOf": list,
-          "prefixItems": list}
+_KINDS = {"pattern": str, "format": str, "$ref": str, "properties": Mapping, "$defs": Mapping,
+          "definitions": Mapping, "enum": list, "required": list, "uniqueItems": bool, "anyOf": list,
+          "oneOf": list, "allOf": list, "prefixItems": list}
 TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
 REF_DEPTH = 3  # how many times one $ref may enter itself (deeper recursive branches are left out)
 ANY_DEPTH = 2  # nesting of arrays and objects inside a value the schema leaves free ({} or true)
@@ -229,7 +229,8 @@ class _Compiler:
       members = [self.member(k, self.value(v)) for k, v in value.items()]
       return rx.seq(rx.literal("{"), self.ws, self.joined(members), self.ws, rx.literal("}"))
     if isinstance(value, (list, tuple)):
-      return rx.seq(rx.literal("["), self.ws, self.joined([self.value(v) for v in value]), self.ws, rx.literal("]"))
+      items = self.joined([self.value(v) for v in value])
+      return rx.seq(rx.literal("["), self.ws, items, self.ws, rx.literal("]"))
     return rx.literal(json.dumps(value, ensure_ascii=False, allow_nan=False))
 
   def ref(self, ref: str, path: str):
@@ -441,9 +442,9 @@ class _Compiler:
       node = rx.alt(rx.literal("null"), rx.literal("true"), rx.literal("false"), rx.parse(_NUMBER_RE), text)
       if depth:
         inner = self.any_value(depth - 1)
-        node = rx.alt(node, rx.seq(rx.literal("["), self.ws, self.listed(inner, 0, None), self.ws, rx.literal("]")),
-                      rx.seq(rx.literal("{"), self.ws, self.listed(self.member(text, inner), 0, None), self.ws,
-                             rx.literal("}")))
+        array = rx.seq(rx.literal("["), self.ws, self.listed(inner, 0, None), self.ws, rx.literal("]"))
+        members = self.listed(self.member(text, inner), 0, None)
+        node = rx.alt(node, array, rx.seq(rx.literal("{"), self.ws, members, self.ws, rx.literal("}")))
       self.any_cache[depth] = node
     return self.any_cache[depth]
 
