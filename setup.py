@@ -32,7 +32,8 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
-                 "imageio>=2.38", "av>=14", "lm-eval==0.4.13",
+                 "imageio>=2.38", "av>=14", "lm-eval==0.4.13", "hypothesis",
+                 "rfc3339-validator",  # jsonschema checks the date-time and time formats only with it
                  # The server's tests: its runtime, the official client, a real browser (Debian's chromium).
                  "starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28", "openai>=3.51", "playwright>=1.65"],
         # lm-evaluation-harness: the `diffusiongemma` model class (build/harness.py) and its script.

@@ -132,8 +132,8 @@ def main(argv):
   schema = json.loads(pathlib.Path(_SCHEMA.value).read_text()) if _SCHEMA.value else DEFAULT_SCHEMA
   v = tok.get_vocab_size()
   automaton = cons.from_json_schema(schema, vocab, v, stop_tokens=[1], pad_id=0)
-  tables = cons.AutomatonTables.from_automaton(automaton)
-  report = dict(tokenizer=kind, automaton=automaton.stats(), groups=tables.num_groups,
+  tables = cons.AutomatonTables.from_automaton(automaton, padded=True)  # as the sampler runs it
+  report = dict(tokenizer=kind, automaton=automaton.stats(), padded_states=tables.num_states, groups=tables.num_groups,
                 group_members=int(tables.member_class.shape[0]), state_pairs=int(tables.edge_src.shape[0]),
                 canvas=_CANVAS.value, steps={})
   viterbi, allowed = jax.jit(cons.viterbi), jax.jit(cons.allowed_tokens, static_argnums=3)

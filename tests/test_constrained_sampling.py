@@ -153,6 +153,62 @@ def test_the_step_commits_the_brute_force_best_canvas(noise):
     assert np.asarray(state.fixed).any()
 
 
+@pytest.mark.parametrize("noise", sorted(NOISES))
+def test_each_step_keeps_statistics_draws_and_acceptance_inside_the_allowed_set(noise):
+  """At every constrained step: the entropies and the self-conditioning embedding are those of the tempered
+  distribution restricted to the tokens some accepted canvas through the held positions uses there (the
+  brute-force set), and the argmax, every draw the head reports and every accepted token lie in that
+  set. The Viterbi commit and repair would keep outputs valid without the restriction: this catches it."""
+  v, c, d, b = 10, 4, 8, 4
+  never = 9 if noise == "masked" else None
+  automaton = cons.from_regex("(ab|c)+d?", {2: "a", 3: "b", 4: "ab", 5: "c", 6: "d", 7: "e", 8: "ba"}, v,
+                              stop_tokens=[1], pad_id=0, disallowed_tokens=[] if never is None else [never])
+  tables = cons.AutomatonTables.from_automaton(automaton, padded=True)
+  rng = np.random.default_rng(3)
+  table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
+  hidden = jnp.asarray(rng.normal(size=(b, c, d)), jnp.float32)
+  noise_process = diffusion.UniformNoise(v) if never is None else diffusion.MaskedNoise(v, never)
+  rules = steps.Rules(max_denoising_steps=4, t_max=3.0, t_min=1.5, noise=noise_process,
+                      acceptance=acceptance.EntropyBound(1.0), stopping=stopping.NoEarlyStop())
+  head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32", never_token=never)
+  start = jnp.full((b,), automaton.start, jnp.int32)
+  seen = []
+  record = lambda stats, _: jax.debug.callback(seen.append, stats)  # the step's statistics, as computed
+  denoiser = steps.Denoiser(lambda *args: hidden, head, table, on_pass=record,
+                            constraint=constrained.CanvasConstraint.for_canvas(tables, start, jnp.asarray(1)))
+  keys = jax.random.split(jax.random.key(7), b)
+  state = steps.init_state(rules, noise_process.initial_canvas(keys, c), jnp.zeros((b,), bool), d)
+  end_ok = np.asarray(cons.end_mask(tables, jnp.full((b,), 1)))[:, :automaton.num_states]
+  step = jax.jit(lambda s: steps.denoise_step(rules, denoiser, s, keys))
+  outside = 0
+  for _ in range(rules.max_denoising_steps):
+    before = state
+    state = step(before)
+    jax.effects_barrier()  # the callback has run
+    assert len(seen) == int(state.step)
+    stats = jax.tree.map(np.asarray, seen[-1])
+    temp = steps.temperature(rules, rules.max_denoising_steps - before.step)
+    scores = np.asarray(head.scaled_logits(table, hidden, 0, temp))  # [B, C, V], unrestricted
+    _, allowed = _brute_force(automaton, scores, np.asarray(start), end_ok, np.asarray(before.fixed),
+                              np.asarray(before.canvas))
+    restricted = np.where(allowed, scores, -np.inf)
+    probs = np.exp(restricted - restricted.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1)), 0), axis=-1)
+    np.testing.assert_allclose(stats.entropy, entropy, atol=1e-4)
+    live = ~np.asarray(before.done)  # rows done earlier keep their embedding
+    want = probs @ np.asarray(table) * np.sqrt(d)
+    np.testing.assert_allclose(np.asarray(state.sc_embedding)[live], want[live], atol=1e-4)
+    pick = lambda tokens: np.take_along_axis(allowed, np.asarray(tokens)[..., None], -1)[..., 0]
+    assert pick(stats.argmax).all()
+    drawn = stats.sample >= 0
+    assert pick(np.where(drawn, stats.sample, stats.argmax)).all() and drawn.any()
+    accepted = np.asarray(state.accepted)
+    assert accepted.any() and pick(np.asarray(state.canvas))[accepted].all()
+    outside += int((~allowed).sum())
+  assert outside > 0  # the restriction had something to remove
+
+
 @pytest.fixture(scope="module")
 def json_setup(tmp_path_factory):
   from test_constraints import _CORPUS  # pylint: disable=import-outside-toplevel
@@ -229,12 +285,73 @@ def test_infilling_with_a_constraint(params, sampler, regex_constraint):
     assert text.startswith("ab-") and re.fullmatch(REGEX, text), text
 
 
+def _completable(automaton, state: int, tokens, held) -> bool:
+  """Whether some output continues from `state` through `tokens` (held where `held`, free elsewhere) into
+  acceptance: a forward walk over state sets, independent of the dynamic programs under test."""
+  states = {state} - {automaton.dead}
+  live = automaton.transitions != automaton.dead
+  for token, is_held in zip(tokens, held):
+    if is_held:
+      nxt = {int(automaton.transitions[s, automaton.token_class[token]]) for s in states}
+    else:
+      nxt = {int(t) for s in states for t in automaton.transitions[s][live[s]]}
+    states = nxt - {automaton.dead}
+  return any(automaton.accepting[s] for s in states)
+
+
+@pytest.mark.parametrize("regex,held_at,held_text", [
+    (r"(?:[a-j]+|[0-9]+)-", (1, 0), "7-"),  # issue 27: the first canvas must end in digits
+    (r"[a-c]{1,16}(?:-[0-9]{2})?", (2, 1), "9"),  # held in the third canvas: 15 or 16 letters must come first
+])
+def test_held_text_in_later_canvases_is_respected(params, sampler, regex, held_at, held_text):
+  """Given tokens in a later canvas: every canvas ends in a state from which the held text and the rest
+  can still be completed (checked at every step against a forward walk), so every output matches."""
+  c, canvases = TINY.canvas_length, 3
+  ids = {ch: i for i, ch in VOCAB.items()}
+  constraint = constrained.Constraint.regex(regex, VOCAB, sampler)
+  a = constraint.automaton
+  initial = np.zeros((3, canvases * c), np.int32)
+  given = np.zeros((3, canvases * c), bool)
+  at = held_at[0] * c + held_at[1]
+  initial[:, at:at + len(held_text)] = [ids[ch] for ch in held_text]
+  given[:, at:at + len(held_text)] = True
+  for seed in range(2):
+    out = sampler.generate(params, _prompts(seed), jax.random.key(seed), canvases * c, initial_canvas=initial,
+                           given=given, constraint=constraint, return_trace=True)
+    tokens, passes = np.asarray(out.tokens), np.asarray(out.canvas_passes)
+    argmax = np.asarray(out.trace.argmax)  # [K, N, B, C]
+    for row in range(3):
+      text = _text(tokens[row], sampler)
+      assert re.fullmatch(regex, text), text
+      assert tokens[row, at:at + len(held_text)].tolist() == [ids[ch] for ch in held_text], text
+      for k in range(canvases):
+        for n in range(passes[row, k]):
+          state = a.advance(tokens[row, :k * c].tolist() + argmax[k, n, row].tolist())
+          end = (k + 1) * c
+          assert _completable(a, state, initial[row, end:], given[row, end:]), (seed, row, k, n)
+
+
+def test_constraints_of_similar_size_share_a_program(sampler):
+  """Equality is "same compiled program": small automata pad to one size; `one_program` pads a set to one."""
+  small = [constrained.Constraint.regex(r, VOCAB, sampler) for r in ("a+", "[0-9]{2}-b", REGEX)]
+  assert len(set(small)) == 1 and small[0].automaton is not small[1].automaton
+  big = constrained.Constraint.regex("(?:[a-j0-9]{3}-){20}", VOCAB, sampler)
+  assert big.automaton.num_states > 64 and big != small[0]
+  shared = constrained.one_program(small + [big])
+  assert len(set(shared)) == 1 and shared[0].tables.sizes == big.tables.sizes
+  assert [s.automaton for s in shared] == [c.automaton for c in small + [big]]
+
+
 # ---------------------------------------------------------------------------------------- bad input
 def test_bad_input_is_refused_before_compiling(params, sampler, regex_constraint, model):
   with pytest.raises(ValueError, match="unsatisfiable"):
     constrained.Constraint.regex(r"a[^\s\S]", VOCAB, sampler)
-  with pytest.raises(ValueError, match="Cannot compile the JSON schema"):
+  with pytest.raises(ValueError, match="JSON schema at #/type: must be one of"):
     constrained.Constraint.json_schema({"type": "foo"}, VOCAB, sampler)
+  with pytest.raises(ValueError, match=r"JSON schema at #/properties/n/multipleOf: 'multipleOf' is not supported"):
+    constrained.Constraint.json_schema({"properties": {"n": {"type": "integer", "multipleOf": 2}}}, VOCAB, sampler)
+  with pytest.raises(ValueError, match=r"Invalid regex '\[a-': unterminated character set at position 0"):
+    constrained.Constraint.regex("[a-", VOCAB, sampler)
   compiled = compiled_programs()
   prompts, key = _prompts(0), jax.random.key(0)
   long = constrained.Constraint.regex("[a-c]{20}", VOCAB, sampler)

@@ -112,6 +112,38 @@ def test_automaton_matches_python_re_on_token_strings(regex):
   assert automaton.allowed(automaton.stopped)[[EOS, PAD]].all()
 
 
+def test_regex_classes_are_ascii_unless_unicode_and_then_match_python_re():
+  """\\d \\w \\s (and negations, and inside classes) mean re.ASCII's sets by default and Python's Unicode
+  sets with unicode=True, checked character by character against `re` on a spread of code points."""
+  rng = np.random.default_rng(0)
+  points = np.concatenate([np.arange(0x3000), rng.integers(0x3000, 0x110000, 20000)])
+  points = [int(p) for p in points if not 0xD800 <= p <= 0xDFFF and p != 0x10FFFF]
+  for pattern in (r"\d", r"\w", r"\s", r"\D", r"[\w\-]", r"[^\s\d]", "."):
+    for unicode in (False, True):
+      ranges = next(cons.regexp.char_sets(cons.regexp.parse(pattern, unicode=unicode)))
+      starts = np.asarray([lo for lo, _ in ranges])
+      inside = lambda p, r=ranges, st=starts: (i := np.searchsorted(st, p, side="right") - 1) >= 0 and p <= r[i][1]
+      flags = 0 if unicode else re.ASCII
+      wrong = [p for p in points if inside(p) != bool(re.fullmatch(pattern, chr(p), flags))]
+      assert not wrong, (pattern, unicode, [hex(p) for p in wrong[:5]])
+  vocab = {2: "3", 3: "\u0663", 4: "-", 5: "\u00e9", 6: "e"}  # "3", ARABIC-INDIC DIGIT THREE, "-", "é", "e"
+  ascii_digits = cons.from_regex(r"\d+-\w", vocab, 7, stop_tokens=[EOS], pad_id=PAD)
+  unicode_digits = cons.from_regex(r"\d+-\w", vocab, 7, stop_tokens=[EOS], pad_id=PAD, unicode=True)
+  assert ascii_digits.accepts([2, 2, 4, 6]) and not ascii_digits.accepts([3, 4, 6])
+  assert not ascii_digits.accepts([2, 4, 5]) and unicode_digits.accepts([3, 2, 4, 5])
+  assert cons.from_regex(r"^(?:ab)$", {2: "a", 3: "b"}, 4, stop_tokens=[EOS]).accepts([2, 3])  # end anchors
+
+
+@pytest.mark.parametrize("pattern,what", [
+    (r"(a)\1", "a backreference"), (r"a(?=b)b", "a lookahead"), (r"(?<!a)b", "a negative lookahead/lookbehind"),
+    (r"\bword", "a word boundary"), (r"a^b", "an anchor"), (r"a$b", "an anchor"), (r"(?i)abc", "case-insensitive"),
+    (r"(a)?(?(1)b|c)", "a conditional group"), (r"a++", "a possessive repeat"), (r"(?>ab)", "an atomic group"),
+])
+def test_unsupported_regex_constructs_are_refused_by_name(pattern, what):
+  with pytest.raises(ValueError, match=f"The regex {re.escape(repr(pattern))} uses {what}.*cannot enforce"):
+    cons.from_regex(pattern, {2: "a", 3: "b"}, 4, stop_tokens=[EOS])
+
+
 def test_automaton_stop_only_when_accepting_and_distance():
   automaton = cons.from_regex("abc", {3: "a", 4: "b", 5: "c", 6: "bc"}, 8, stop_tokens=[EOS, 7],
                               pad_id=PAD)
@@ -126,18 +158,63 @@ def test_automaton_stop_only_when_accepting_and_distance():
     automaton.check_length(1)
 
 
-def test_json_schema_automaton_on_sentencepiece(sp_vocab):
+def _schema_instances(rng, count):
+  """(valid, invalid) values for SCHEMA, drawn here without the code under test."""
+  letters = list("abcXYZ09 \"\\\u00e9\u65e5\n\t/")
+  valid, invalid = [], []
+  for _ in range(count):
+    value = {"name": "".join(rng.choice(letters, size=rng.integers(0, 7))), "n": int(rng.integers(-10**6, 10**6)),
+             "ok": bool(rng.integers(2))}
+    if rng.integers(2):
+      value["kind"] = str(rng.choice(["a", "bc"]))
+    valid.append(value)
+    broken = dict(value)
+    key, how = rng.choice(["name", "n", "ok", "kind"]), rng.integers(3)
+    if key == "name":
+      broken["name"] = "abcdefg"[:7 - how] + "xyz"[:how]  # 7 characters
+    elif key == "n":
+      broken["n"] = [str(value["n"]), 1.5, None][how]
+    elif key == "ok":
+      broken.pop("ok") if how == 0 else broken.update(ok=["true", 0, None][how])
+    else:
+      broken["kind"] = ["b", "A", 1][how]
+    invalid.append(broken)
+  return valid, invalid
+
+
+def test_json_schema_automaton_matches_jsonschema_on_independent_instances(sp_tokenizer, sp_vocab):
+  """Valid instances written in the constraint's layout (declared key order, ", " and ": ") are accepted;
+  invalid ones, and broken texts, are refused. jsonschema labels every instance."""
+  jsonschema = pytest.importorskip("jsonschema")
   automaton = cons.from_json_schema(SCHEMA, sp_vocab, 330, stop_tokens=[EOS], pad_id=PAD)
   stats = automaton.stats()
   assert stats["token_classes"] < stats["vocab_size"] and stats["compact_bytes"] < stats["dense_bytes"]
   assert automaton.token_class[325] == automaton.dead_class  # beyond the tokenizer: never allowed
   rng = np.random.default_rng(3)
-  regex = cons.schema_regex(SCHEMA)
-  ids = np.asarray(sorted(sp_vocab))
-  for tokens in _random_strings(rng, ids, 300, 8):
-    text = b"".join(sp_vocab[t] for t in tokens)
-    want = re.fullmatch(regex.encode(), text) is not None
-    assert automaton.accepts(tokens) == want
+  valid, invalid = _schema_instances(rng, 150)
+  dump = lambda v: json.dumps(v, ensure_ascii=False, separators=(", ", ": "))
+
+  def tokens(text):
+    ids = sp_tokenizer.encode(text)
+    assert b"".join(sp_vocab[t] for t in ids) == text.encode()
+    return ids
+
+  for value in valid:
+    assert jsonschema.Draft202012Validator(SCHEMA).is_valid(value)
+    assert automaton.accepts(tokens(dump(value)) + [EOS, PAD]), dump(value)
+  for value in invalid:
+    assert not jsonschema.Draft202012Validator(SCHEMA).is_valid(value)
+    assert not automaton.accepts(tokens(dump(value))), dump(value)
+  for value in valid[:60]:  # texts cut or with a character changed: refused unless still valid JSON
+    text = dump(value)
+    i = int(rng.integers(len(text)))
+    for broken in (text[:i], text[:i] + "}" + text[i + 1:], text[:i] + '"' + text[i:]):
+      try:
+        ok = jsonschema.Draft202012Validator(SCHEMA).is_valid(json.loads(broken))
+      except json.JSONDecodeError:
+        ok = False
+      if not ok:
+        assert not automaton.accepts(tokens(broken)), broken
 
 
 # ---------------------------------------------------------------------------------------- Viterbi
@@ -147,7 +224,7 @@ def _brute_force(automaton, scores, start, end_ok, given=None, given_tokens=None
   best = [(-np.inf, None)] * b
   allowed = np.zeros((b, c, v), bool)
   for tokens in itertools.product(range(v), repeat=c):
-    for row in range(b):
+    for row in range(b):  # (padded tables keep every real state's id)
       if given is not None and any(given[row, i] and tokens[i] != given_tokens[row, i] for i in range(c)):
         continue
       state = automaton.advance(tokens, int(start[row]))
@@ -160,12 +237,14 @@ def _brute_force(automaton, scores, start, end_ok, given=None, given_tokens=None
   return best, allowed
 
 
+@pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("regex,with_given", [("(ab|c)+", False), ("(ab|c)+", True), ("a(b|cc)*", True),
                                               ("abcab", False), ("ba", True)])
-def test_viterbi_and_reachability_match_brute_force(regex, with_given):
+def test_viterbi_and_reachability_match_brute_force(regex, with_given, padded):
   vocab = {2: "a", 3: "b", 4: "ab", 5: "c"}
   automaton = cons.from_regex(regex, vocab, 6, stop_tokens=[EOS], pad_id=PAD)
-  tables = cons.AutomatonTables.from_automaton(automaton)
+  tables = cons.AutomatonTables.from_automaton(automaton, padded=padded)
+  dead = tables.num_states
   b, c, v = 6, 4, 6
   rng = np.random.default_rng(hash(regex) % 1000)
   scores = rng.normal(size=(b, c, v)).astype(np.float32)
@@ -174,6 +253,7 @@ def test_viterbi_and_reachability_match_brute_force(regex, with_given):
   start[-1] = automaton.start if start[-1] == automaton.dead else start[-1]
   remaining = np.asarray([0, 0, 1, 2, 0, 0], np.int32)  # later rows: canvases that are not the last
   end_ok = np.asarray(cons.end_mask(tables, remaining))
+  assert not end_ok[:, automaton.num_states:].any()  # padded states never end a canvas
   given = given_tokens = None
   if with_given:
     given = np.zeros((b, c), bool)
@@ -189,13 +269,14 @@ def test_viterbi_and_reachability_match_brute_force(regex, with_given):
   allowed = jax.jit(cons.allowed_tokens, static_argnums=3)(
       tables, jnp.asarray(start), jnp.asarray(end_ok), c, None if given is None else jnp.asarray(given),
       None if given is None else jnp.asarray(given_tokens))
-  best, want_allowed = _brute_force(automaton, scores, start, end_ok, given, given_tokens)
+  best, want_allowed = _brute_force(automaton, scores, start, end_ok[:, :automaton.num_states], given,
+                                    given_tokens)
   np.testing.assert_array_equal(np.asarray(allowed), want_allowed)
   for row in range(b):
     score, tokens = best[row]
     assert bool(result.feasible[row]) == (tokens is not None)
     if tokens is None:
-      assert int(result.end_state[row]) == automaton.dead
+      assert int(result.end_state[row]) == dead
       continue
     np.testing.assert_allclose(float(result.score[row]), score, rtol=1e-5)
     assert tuple(np.asarray(result.tokens[row]).tolist()) == tokens
@@ -215,6 +296,39 @@ def test_viterbi_unsatisfiable_rows_are_flagged():
   assert np.asarray(result.tokens[1]).tolist() == [2, 3, 2]
   assert not bool(cons.allowed_tokens(tables, start, cons.end_mask(tables, jnp.zeros((2,), jnp.int32)),
                                       3).any())
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_canvas_ends_match_brute_force_with_held_tokens_in_several_canvases(padded):
+  """ends[k][s]: some filling of the later canvases' free positions, through their held tokens (text, a
+  stop token, pad), reaches acceptance from s. Enumerated over every suffix."""
+  vocab = {2: "a", 3: "b", 4: "ab", 5: "c"}
+  automaton = cons.from_regex("(ab|c)+", vocab, 6, stop_tokens=[EOS], pad_id=PAD)
+  tables = cons.AutomatonTables.from_automaton(automaton, padded=padded)
+  k, c, v = 3, 2, 6
+  given = np.zeros((5, k * c), bool)
+  held = np.zeros((5, k * c), np.int32)
+  for row, placements in enumerate([[], [(2, 5)], [(3, 3), (5, EOS)], [(4, EOS), (5, PAD)],
+                                    [(2, 2), (4, 4)]]):  # row 3: must stop by the last canvas
+    for pos, token in placements:
+      given[row, pos], held[row, pos] = True, token
+  ends = np.asarray(jax.jit(cons.canvas_ends, static_argnums=1)(tables, k, jnp.asarray(held), jnp.asarray(given)))
+  assert ends.shape == (k, 5, tables.num_states) and not ends[..., automaton.num_states:].any()
+  for row in range(5):
+    for canvas in range(k):
+      rest = range((canvas + 1) * c, k * c)
+      want = np.zeros(automaton.num_states, bool)
+      for suffix in itertools.product(range(v), repeat=len(rest)):
+        if any(given[row, p] and suffix[i] != held[row, p] for i, p in enumerate(rest)):
+          continue
+        for state in range(automaton.num_states):
+          end = automaton.advance(suffix, state)
+          want[state] |= end != automaton.dead and bool(automaton.accepting[end])
+      np.testing.assert_array_equal(ends[canvas, row, :automaton.num_states], want, err_msg=f"{row} {canvas}")
+  free = np.asarray(cons.canvas_ends(tables, k, jnp.asarray(held)))  # nothing held: the distance test
+  for canvas in range(k):
+    after = jnp.full((5,), (k - 1 - canvas) * c)
+    np.testing.assert_array_equal(free[canvas], np.asarray(cons.end_mask(tables, after)))
 
 
 # ---------------------------------------------------------------------------------------- JSON outputs
@@ -283,16 +397,18 @@ def test_bad_constraints_raise_clear_errors(sp_vocab):
   kw = dict(stop_tokens=[EOS], pad_id=PAD)
   with pytest.raises(ValueError, match="unsatisfiable"):
     cons.from_regex(r"a[^\s\S]", sp_vocab, **kw)
-  with pytest.raises(ValueError, match="Cannot compile the regex"):
+  with pytest.raises(ValueError, match=r"Invalid regex '\(ab': missing \), unterminated subpattern at position 0"):
     cons.from_regex(r"(ab", sp_vocab, **kw)
+  with pytest.raises(ValueError, match=r"Invalid regex 'a\{3,2\}': min repeat greater than max repeat at"):
+    cons.from_regex(r"a{3,2}", sp_vocab, **kw)
   with pytest.raises(ValueError, match="No string of tokens"):
     cons.from_regex("abc", {3: "a", 4: "b"}, **kw)
-  with pytest.raises(ValueError, match="Cannot compile the JSON schema.*foo"):
+  with pytest.raises(ValueError, match=r"JSON schema at #/type: must be one of .*got 'foo'"):
     cons.from_json_schema({"type": "foo"}, sp_vocab, **kw)
   with pytest.raises(ValueError, match="not valid JSON"):
     cons.from_json_schema("{nope", sp_vocab, **kw)
-  with pytest.raises(ValueError, match=r"cannot enforce: \['#/properties/n/minimum'\]"):
-    cons.from_json_schema({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3}}},
+  with pytest.raises(ValueError, match=r"#/properties/n/multipleOf: 'multipleOf' is not supported"):
+    cons.from_json_schema({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}}},
                           sp_vocab, **kw)
   with pytest.raises(ValueError, match="stop_tokens is empty"):
     cons.from_regex("a", sp_vocab, stop_tokens=[])

@@ -270,7 +270,7 @@ class ChatSampler:
     if (regex is None) == (json_schema is None):
       raise ValueError("Pass exactly one of regex= and json_schema=.")
     if regex is not None:
-      return constrained.Constraint.regex(regex, self.tokenizer, self.sampler)
+      return constrained.Constraint.regex(regex, self.tokenizer, self.sampler, **kwargs)
     return constrained.Constraint.json_schema(json_schema, self.tokenizer, self.sampler, **kwargs)
 
   def _empty_cache(self) -> KVCache:

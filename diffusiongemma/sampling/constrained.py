@@ -1,11 +1,14 @@
 """Constrained denoising: every committed canvas is text that a token automaton (regex, JSON schema) accepts.
 
 `Constraint` wraps a `diffusion.constraints.TokenAutomaton` built for a sampler (its vocabulary, stop
-tokens, pad and never token); `Sampler.generate(..., constraint=c)` takes it as a static argument, so the
-program is compiled once per constraint object (hashed by identity) and a sampler without one compiles
-exactly the program it always did. Inside the program, each canvas gets a `CanvasConstraint` (the
-automaton's tables, the state where the previous canvas ended, the states it may end in) and its
-`sample_step` replaces the streamed vocabulary end of a denoising step (`steps.plain_sample_step`):
+tokens, pad and never token); `Sampler.generate(..., constraint=c)` takes it as a static argument and
+its tables (padded to bucketed sizes, `AutomatonTables.from_automaton(padded=True)`) as arrays. A
+constraint compares equal to every other with the same padded table shapes, so constraints of similar
+size (every small regex, say) share one compiled program; a sampler without one compiles exactly the
+program it always did. Inside the program, each canvas gets a `CanvasConstraint` (the automaton's
+tables, the state where the previous canvas ended, the states it may end in: `constraints.canvas_ends`,
+computed backward through the held tokens of every later canvas) and its `sample_step` replaces the
+streamed vocabulary end of a denoising step (`steps.plain_sample_step`):
 
 1. allowed [B, C, V]: the tokens that some accepted canvas through the held positions (`fixed`: given
    text, masked noise's accepted tokens) uses at each position, from the start state into `end_ok`
@@ -24,9 +27,10 @@ vocabulary, `vocab_chunk_size` is ignored; the draw is an inverse CDF over every
 dynamic programs over [C, S] per step; the plain path's streaming is kept for unconstrained samplers.
 
 Canvas chaining: the automaton state after each committed canvas (pad after a stop token included) starts
-the next one; a canvas that is not the last may end in any state from which acceptance is reachable in
-the positions still to come, the last only in an accepting state (or after a stop token). So the output
-(K * C tokens) always matches.
+the next one; a canvas that is not the last may end only in a state from which the positions still to
+come, with the tokens held in them (infilling's given text, a given stop token and pad), can complete an
+accepted output; the last only in an accepting state (or after a stop token). So the output (K * C
+tokens) always matches, held text included.
 
 Axes: B batch, C canvas, V vocab, S automaton states.
 """
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import flax.struct
 import jax
@@ -61,33 +65,46 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Constraint:
-  """A token automaton the sampler's output must follow (static; equal only to itself).
+  """A token automaton the sampler's output must follow (static).
 
   Build it for the sampler that will use it (`regex`, `json_schema`), so that its vocabulary, stop
-  tokens and pad agree; `check` says what does not, before anything compiles.
+  tokens and pad agree; `check` says what does not, before anything compiles. Equality (and the hash)
+  means "runs in the same compiled program": the same padded table shapes (every automaton starts in
+  state 0); compare `automaton` for the language itself.
   """
 
   automaton: cons.TokenAutomaton
   description: str = "constraint"
+  min_sizes: tuple[int, ...] | None = None  # pad the tables to at least these `AutomatonTables.sizes`
 
   @functools.cached_property
   def tables(self) -> cons.AutomatonTables:
-    """The automaton as device arrays (built once per constraint)."""
-    return cons.AutomatonTables.from_automaton(self.automaton)
+    """The automaton as device arrays, padded to bucketed sizes (built once per constraint)."""
+    return cons.AutomatonTables.from_automaton(self.automaton, padded=True, min_sizes=self.min_sizes)
+
+  def _program_key(self) -> tuple:
+    return (self.automaton.start,) + tuple(jnp.shape(x) for x in jax.tree.leaves(self.tables))
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, Constraint) and self._program_key() == other._program_key()
+
+  def __hash__(self) -> int:
+    return hash(self._program_key())
 
   @classmethod
-  def regex(cls, pattern: str, tokenizer, sampler) -> Constraint:
-    """Outputs that match `pattern` in full (then a stop token and pad), over `tokenizer`'s tokens."""
-    return cls(cons.from_regex(pattern, token_bytes(tokenizer), **_automaton_args(sampler)),
+  def regex(cls, pattern: str, tokenizer, sampler, *, unicode: bool = False) -> Constraint:
+    """Outputs that match `pattern` (Python `re` syntax) in full, then a stop token and pad, over
+    `tokenizer`'s tokens. \\d \\w \\s are ASCII unless `unicode=True` (`constraints.regexp`)."""
+    return cls(cons.from_regex(pattern, token_bytes(tokenizer), unicode=unicode, **_automaton_args(sampler)),
                f"regex {pattern[:60]!r}")
 
   @classmethod
   def json_schema(cls, schema: Mapping | str, tokenizer, sampler, *, whitespace_pattern: str | None = None,
-                  strict: bool = True) -> Constraint:
-    """Outputs that are JSON texts valid under `schema` (a dict or JSON text; see
-    `constraints.from_json_schema` for `whitespace_pattern` and `strict`)."""
+                  unicode: bool = False) -> Constraint:
+    """Outputs that are JSON texts valid under `schema` (a dict or JSON text). Every keyword is enforced
+    or refused with a ValueError naming it and its path (`constraints.json_schema` lists them)."""
     automaton = cons.from_json_schema(schema, token_bytes(tokenizer), whitespace_pattern=whitespace_pattern,
-                                      strict=strict, **_automaton_args(sampler))
+                                      unicode=unicode, **_automaton_args(sampler))
     return cls(automaton, "JSON schema")
 
   def check(self, sampler, max_new_tokens: int) -> None:
@@ -109,6 +126,13 @@ class Constraint:
       raise ValueError(f"The constraint allows token {never}, which the {sampler.noise.name} noise never "
                        "samples (its mask token); build it with disallowed_tokens=[that id].")
     a.check_length(max_new_tokens)
+
+
+def one_program(constraints: Sequence[Constraint]) -> list[Constraint]:
+  """The constraints with their tables padded to common sizes, so that all of them run in one compiled
+  program (e.g. the schemas a server accepts); each keeps its own automaton."""
+  sizes = tuple(max(column) for column in zip(*(c.tables.sizes for c in constraints)))
+  return [dataclasses.replace(c, min_sizes=sizes) for c in constraints]
 
 
 def _automaton_args(sampler) -> dict:
@@ -151,7 +175,8 @@ class CanvasConstraint:
 
   @classmethod
   def for_canvas(cls, tables: cons.AutomatonTables, start: Array, positions_after: Array) -> CanvasConstraint:
-    """`positions_after` []: output positions after this canvas (0 for the last one)."""
+    """A canvas followed by `positions_after` [] free positions (0 for the last one); with held tokens
+    later, build it with `end_ok` from `constraints.canvas_ends`."""
     remaining = jnp.broadcast_to(positions_after, start.shape)
     return cls(tables=tables, start=start, end_ok=cons.end_mask(tables, remaining))
 

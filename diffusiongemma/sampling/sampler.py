@@ -287,7 +287,8 @@ class Sampler:
     hole still ends the output (everything after it, given text too, becomes pad): give a stop token at
     the end of the text, or a constraint, to keep it whole.
     constraint: a `sampling.constrained.Constraint` built for this sampler: every output then matches it
-    (see that module; a program is compiled per constraint object). Checked before anything compiles.
+    (see that module; constraints whose padded tables have the same sizes share one program). Checked
+    before anything compiles.
     on_pass: called on the host after every denoiser pass with a `PassEvent` (the canvas as it denoises:
     argmax, canvas, accepted and fixed positions, per row), from inside the running program, so it is
     live; it cannot change the result, and it runs before `generate` returns. Any callable works with
@@ -366,6 +367,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   if cache is None:  # room for the prompt and every canvas but the last, which is never encoded
     cache = KVCache.empty(mc, b, prompt.shape[1] + (num_canvases - 1) * c)
   cache = sampler.encode(variables, prompt, cache, lengths, images)
+  ends = None if constraint is None else cons.canvas_ends(tables, num_canvases, initial, given)  # [K, B, S]
 
   def canvas_body(loop: _CanvasLoop) -> _CanvasLoop:
     k = loop.index
@@ -379,8 +381,8 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype, held)
     denoiser = sampler.denoiser(variables, loop.cache)
     if constraint is not None:
-      denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint.for_canvas(
-          tables, loop.automaton_state, (num_canvases - 1 - k) * c))
+      denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint(
+          tables=tables, start=loop.automaton_state, end_ok=ends[k]))
     emit = None
     if stream:
       emit = lambda before, after: jax.debug.callback(

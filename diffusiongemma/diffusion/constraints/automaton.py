@@ -4,8 +4,11 @@
 to `next_state[s, v]`, or to the dead state (`num_states`) when no string of the language continues
 with v's bytes. Built in four steps:
 
-1. `outlines-core` compiles the regex (or the regex of a JSON schema) into a byte-level DFA: an
-   `outlines_core.Index` over a vocabulary of the 256 single bytes is exactly that DFA (Q states).
+1. The regex (Python `re` syntax, read by `regexp.parse`; or a JSON schema, compiled by
+   `json_schema.compile_schema`) becomes a syntax tree whose meaning is fixed by us (ASCII \\d \\w \\s
+   unless `unicode=True`; unsupported constructs and keywords refused), written out in the engine's
+   syntax; `outlines-core` compiles that into a byte-level DFA: an `outlines_core.Index` over a vocabulary
+   of the 256 single bytes is exactly that DFA (Q states).
 2. Byte classes: bytes with identical DFA columns are interchangeable (K classes), so every token is
    rewritten as a string of byte classes and equal strings are walked once.
 3. Every distinct token string is walked from every DFA state at once, along a trie of the strings
@@ -14,7 +17,8 @@ with v's bytes. Built in four steps:
    stored as `transitions [S, M]` over M classes plus `token_class [V]`, and the dense [S, V] table is
    `transitions[:, token_class]` (materialise it only for small vocabularies).
 4. States no token string reaches from the start, or from which no accepting state can be reached,
-   are dropped (their transitions become dead), and classes are merged again on what is left.
+   are dropped (their transitions become dead), and classes are merged again on what is left. The start
+   state is numbered 0.
 
 Ending: text may stop only in an accepting state. A stop token (eos, end of turn) leads from every
 accepting state to the `stopped` state, which is accepting and loops on the `after_stop` tokens only:
@@ -30,30 +34,19 @@ Axes: S states, M token classes, V vocab, Q byte-DFA states, K byte classes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from diffusiongemma.diffusion.constraints import json_schema as json_schema_lib
+from diffusiongemma.diffusion.constraints import regexp
 from diffusiongemma.diffusion.constraints import vocabulary as vocab_lib
 
 _UNREACHABLE = np.iinfo(np.int32).max
+_MARKER = "\\x{10FFFF}"  # the byte DFA's start marker (see `_byte_dfa`)
+_MARKER_BYTES = chr(0x10FFFF).encode("utf-8")
 _CHUNK_BYTES = 64 << 20  # memory for one chunk of the trie walk
-
-# JSON-schema keywords that outlines-core 0.2 accepts but does not enforce in its regex (measured: the
-# regex is unchanged when they are added), so outputs could fail validation; `allOf` with several
-# subschemas is compiled as a concatenation, which is wrong.
-_UNENFORCED_KEYWORDS = frozenset({
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
-    "contains", "minContains", "maxContains", "maxProperties", "patternProperties", "propertyNames",
-    "dependentRequired", "dependentSchemas", "dependencies", "not", "if", "then", "else",
-    "unevaluatedProperties", "unevaluatedItems", "contentEncoding", "contentMediaType",
-})
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class TokenAutomaton:
@@ -73,7 +66,7 @@ class TokenAutomaton:
   stopped: int
   stop_tokens: tuple[int, ...]
   after_stop_tokens: tuple[int, ...]
-  regex: str
+  regex: str  # in the engine's syntax (`regexp.emit`)
   build_seconds: float = 0.0
 
   @property
@@ -157,19 +150,46 @@ class TokenAutomaton:
 # ---------------------------------------------------------------------------------------- builders
 def from_regex(regex: str, vocabulary, vocab_size: int | None = None, *, stop_tokens: Sequence[int],
                pad_id: int | None = None, after_stop_tokens: Sequence[int] | None = None,
-               disallowed_tokens: Sequence[int] = ()) -> TokenAutomaton:
-  """The automaton of `regex` (matched in full, over UTF-8 bytes) over a tokenizer's vocabulary.
+               disallowed_tokens: Sequence[int] = (), unicode: bool = False) -> TokenAutomaton:
+  """The automaton of `regex` (Python `re` syntax, matched in full, over UTF-8 text) over a vocabulary.
 
   vocabulary: `{id: bytes | str}` of the text tokens, or a tokenizer (see `vocabulary.from_tokenizer`).
   vocab_size: the model's vocabulary (ids beyond the tokenizer's are never allowed); default: max id + 1.
   stop_tokens: ids that end the output (allowed in accepting states only); at least one.
   after_stop_tokens: ids allowed after a stop token; default: the stop tokens and `pad_id`.
   disallowed_tokens: ids never allowed (e.g. the mask token of masked noise).
-  Raises ValueError when the regex does not compile or no token string matches it.
+  unicode: \\d, \\w, \\s mean Python's Unicode classes (default: ASCII, `[0-9]` etc.; see `regexp`).
+  Raises ValueError when the regex is invalid (with Python's reason and position), uses a construct a
+  constraint cannot enforce, or no token string matches it.
   """
+  return from_tree(regexp.parse(regex, unicode=unicode), vocabulary, vocab_size, stop_tokens=stop_tokens,
+                   pad_id=pad_id, after_stop_tokens=after_stop_tokens, disallowed_tokens=disallowed_tokens,
+                   description=f"regex {regex[:200]!r}")
+
+
+def schema_regex(schema: Mapping | str, whitespace_pattern: str | None = None, *, unicode: bool = False) -> str:
+  """The regex (in the engine's syntax) of the JSON texts valid under `schema`; raises ValueError for a
+  keyword it cannot enforce, naming it and its path (`json_schema`)."""
+  return regexp.emit(json_schema_lib.compile_schema(schema, whitespace_pattern=whitespace_pattern,
+                                                    unicode=unicode))
+
+
+def from_json_schema(schema: Mapping | str, vocabulary, vocab_size: int | None = None, *,
+                     whitespace_pattern: str | None = None, unicode: bool = False, **kwargs) -> TokenAutomaton:
+  """The automaton of the JSON texts valid under `schema` (a dict or JSON text); kwargs: `from_regex`.
+
+  whitespace_pattern: the regex of the whitespace allowed between JSON tokens (default: at most one
+  space). Every keyword is enforced or refused with a ValueError naming it (`json_schema`).
+  """
+  tree = json_schema_lib.compile_schema(schema, whitespace_pattern=whitespace_pattern, unicode=unicode)
+  return from_tree(tree, vocabulary, vocab_size, description="JSON schema", **kwargs)
+
+
+def from_tree(tree, vocabulary, vocab_size: int | None = None, *, stop_tokens: Sequence[int],
+              pad_id: int | None = None, after_stop_tokens: Sequence[int] | None = None,
+              disallowed_tokens: Sequence[int] = (), description: str = "regex") -> TokenAutomaton:
+  """The automaton of a `regexp` syntax tree (see `from_regex` for the arguments)."""
   start_time = time.perf_counter()
-  if not isinstance(regex, str):
-    raise ValueError(f"regex must be a string, got {type(regex).__name__}.")
   tokens = vocab_lib.from_tokenizer(vocabulary)
   stop_tokens = tuple(int(t) for t in stop_tokens)
   if not stop_tokens:
@@ -183,88 +203,23 @@ def from_regex(regex: str, vocabulary, vocab_size: int | None = None, *, stop_to
   if bad:
     raise ValueError(f"Token ids {bad[:10]} are outside the vocabulary [0, {size}).")
   text_tokens = {t: b for t, b in tokens.items() if t not in special}
-
-  byte_next, final, q0 = _byte_dfa(regex)
+  if tree == regexp.EMPTY:
+    raise ValueError(f"The {description} matches no text at all (it is unsatisfiable).")
+  regex = regexp.emit(tree)
+  byte_next, final, q0 = _byte_dfa(regex, description)
   transitions, token_class = _lift(byte_next, text_tokens, size)
-  transitions, final, start = _prune(transitions, final, q0, regex)
+  transitions, final = _prune(transitions, final, q0, description)
   transitions, token_class, accepting, stopped = _add_stop(
       transitions, token_class, final, stop_tokens, after_stop_tokens)
   distance = _distance(transitions, accepting)
   return TokenAutomaton(transitions=transitions, token_class=token_class, accepting=accepting,
-                        distance=distance, start=start, stopped=stopped, stop_tokens=stop_tokens,
+                        distance=distance, start=0, stopped=stopped, stop_tokens=stop_tokens,
                         after_stop_tokens=after_stop_tokens, regex=regex,
                         build_seconds=time.perf_counter() - start_time)
 
 
-def schema_regex(schema: Mapping | str, whitespace_pattern: str | None = None, *,
-                 strict: bool = True) -> str:
-  """The regex of a JSON schema (outlines-core), after checking that it enforces the whole schema.
-
-  strict: refuse keywords outlines-core ignores (e.g. minimum, uniqueItems) rather than produce output
-  that may fail validation.
-  """
-  from outlines_core.json_schema import build_regex_from_schema  # pylint: disable=import-outside-toplevel
-  if isinstance(schema, str):
-    try:
-      schema = json.loads(schema)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"The JSON schema is not valid JSON: {e}.") from None
-  if not isinstance(schema, Mapping):
-    raise ValueError(f"A JSON schema must be an object, got {type(schema).__name__}.")
-  if strict:
-    unenforced = sorted(set(_unenforced_keywords(schema)))
-    if unenforced:
-      raise ValueError(f"The JSON schema uses keywords the constraint cannot enforce: {unenforced} "
-                       "(outlines-core ignores them). Remove them, or pass strict=False to accept "
-                       "outputs that may not validate.")
-  try:
-    return build_regex_from_schema(json.dumps(schema), whitespace_pattern)
-  except (ValueError, TypeError) as e:
-    raise ValueError(f"Cannot compile the JSON schema into a constraint: {e}") from None
-
-
-def from_json_schema(schema: Mapping | str, vocabulary, vocab_size: int | None = None, *,
-                     whitespace_pattern: str | None = None, strict: bool = True,
-                     **kwargs) -> TokenAutomaton:
-  """The automaton of the JSON texts valid under `schema` (a dict or JSON text); kwargs: `from_regex`.
-
-  whitespace_pattern: the regex of the whitespace allowed between JSON tokens (outlines' default:
-  at most one space).
-  """
-  return from_regex(schema_regex(schema, whitespace_pattern, strict=strict), vocabulary, vocab_size,
-                    **kwargs)
-
-
-def _unenforced_keywords(schema, path: str = "#") -> Iterable[str]:
-  if not isinstance(schema, Mapping):
-    return
-  for key in schema:
-    if key in _UNENFORCED_KEYWORDS or (key == "allOf" and len(schema[key]) > 1):
-      yield f"{path}/{key}"
-  for key in _SUBSCHEMA_MAPS:
-    for name, sub in (schema.get(key) or {}).items():
-      yield from _unenforced_keywords(sub, f"{path}/{key}/{name}")
-  for key in _SUBSCHEMA_LISTS:
-    for i, sub in enumerate(schema.get(key) or ()):
-      yield from _unenforced_keywords(sub, f"{path}/{key}/{i}")
-  for key in _SUBSCHEMA_ONE:
-    if isinstance(schema.get(key), Mapping):
-      yield from _unenforced_keywords(schema[key], f"{path}/{key}")
-
-
 # ---------------------------------------------------------------------------------------- steps
-def _index(regex: str, tokens: Mapping[bytes, int]):
-  import outlines_core  # pylint: disable=import-outside-toplevel
-  vocab = outlines_core.Vocabulary(max(tokens.values()) + 1, {t: [i] for t, i in tokens.items()})
-  try:
-    return outlines_core.Index(regex, vocab)
-  except ValueError as e:
-    if "incompatible with the regex" in str(e):
-      raise ValueError(f"The regex {regex[:200]!r} matches no text at all (it is unsatisfiable).") from None
-    raise ValueError(f"Cannot compile the regex {regex[:200]!r}: {e}") from None
-
-
-def _byte_dfa(regex: str) -> tuple[np.ndarray, np.ndarray, int]:
+def _byte_dfa(regex: str, description: str = "regex") -> tuple[np.ndarray, np.ndarray, int]:
   """(next state [Q + 1, 256] int32 with dead = Q, final [Q] bool, start) of the regex's byte DFA.
 
   An outlines-core `Index` over the 256 single bytes is the byte DFA, with the regex wrapped as
@@ -273,17 +228,19 @@ def _byte_dfa(regex: str) -> tuple[np.ndarray, np.ndarray, int]:
   (`a|ab` refuses "ab"), and it reports matches one byte late, so a token that leaves an accepting
   state for a non-accepting one is dropped (`(ab)+` allows nothing after "ab"). With `$` no thread
   matches before the end of the text, so neither happens; acceptance is then "the end of text matches".
-  A literal \\x01 prefix (our start is the state after it) keeps the start state free of the anchor's
-  context (regex-automata has no universal start state when `$` could hold at the very start).
+  A U+10FFFF prefix (our start is the state after its four bytes) keeps the start state free of the
+  anchor's context (regex-automata has no universal start state when `$` could hold at the very start);
+  `regexp` never lets a regex match that code point, because a prefix that can recur inside the regex
+  makes the engine's unanchored DFA (built alongside) blow up exponentially in the repeat counts.
   """
   import outlines_core  # pylint: disable=import-outside-toplevel
   vocab = outlines_core.Vocabulary(256, {bytes([b]): [b] for b in range(256)})
   try:
-    index = outlines_core.Index(f"\\x01(?:{regex})$", vocab)
+    index = outlines_core.Index(f"{_MARKER}(?:{regex})$", vocab)
   except ValueError as e:
     if "incompatible with the regex" in str(e):
-      raise ValueError(f"The regex {regex[:200]!r} matches no text at all (it is unsatisfiable).") from None
-    raise ValueError(f"Cannot compile the regex {regex[:200]!r}: {e}") from None
+      raise ValueError(f"The {description} matches no text at all (it is unsatisfiable).") from None
+    raise ValueError(f"Cannot compile the {description} (as {regex[:200]!r}): {e}") from None
   edges = index.get_transitions()
   start = index.get_initial_state()
   finals = set(index.get_final_states())
@@ -297,7 +254,10 @@ def _byte_dfa(regex: str) -> tuple[np.ndarray, np.ndarray, int]:
         table[number[s], b] = number[n]
   final = np.zeros(q, bool)
   final[[number[s] for s in finals]] = True
-  return table, final, int(table[number[start], 1])
+  state = number[start]
+  for byte in _MARKER_BYTES:
+    state = table[state, byte]
+  return table, final, int(state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,16 +373,17 @@ def _distance(transitions: np.ndarray, accepting: np.ndarray) -> np.ndarray:
     distance = padded[:dead].copy()
 
 
-def _prune(transitions: np.ndarray, final: np.ndarray, start: int, regex: str
-           ) -> tuple[np.ndarray, np.ndarray, int]:
-  """Keeps the states reachable from the start that can still reach a final state."""
+def _prune(transitions: np.ndarray, final: np.ndarray, start: int, description: str
+           ) -> tuple[np.ndarray, np.ndarray]:
+  """Keeps the states reachable from the start that can still reach a final state, the start first."""
   useful = _reachable(transitions, start) & (_distance(transitions, final) < _UNREACHABLE)
   if not useful[start]:
-    raise ValueError(f"No string of tokens of this vocabulary matches the regex {regex[:200]!r}.")
-  keep = np.flatnonzero(useful)
+    raise ValueError(f"No string of tokens of this vocabulary matches the {description}.")
+  useful[start] = False
+  keep = np.concatenate([[start], np.flatnonzero(useful)])
   number = np.full(transitions.shape[0] + 1, len(keep), np.int32)
   number[keep] = np.arange(len(keep))
-  return number[transitions[keep]], final[keep], int(number[start])
+  return number[transitions[keep]], final[keep]
 
 
 def _add_stop(transitions, token_class, final, stop_tokens, after_stop_tokens):

@@ -18,7 +18,13 @@ position: one reduction over V (class scores), one over the P group members and 
 pairs, so O(B C (V + P + E)).
 
 Reachability is the same recursion in the boolean semiring, forward and backward: a token is allowed at
-position i when some accepted canvas through the fixed positions uses it there.
+position i when some accepted canvas through the fixed positions uses it there. Run backward over the
+whole output, it gives each canvas's end condition (`canvas_ends`): the states from which the held
+tokens of every later canvas, the stop token and pad, and the output's length still allow acceptance.
+
+Tables may be padded to bucketed sizes (`AutomatonTables.from_automaton(..., padded=True)`): extra
+states are unreachable, extra classes hold no token, extra groups and edges join only those, so every
+result is the same; automata of similar size then share one compiled program.
 
 Axes: B batch, C canvas, V vocab, S states, M token classes, G class groups, P group members,
 E edges (state pairs).
@@ -59,7 +65,12 @@ class AutomatonTables:
   accepting: Array  # [S] bool
 
   @classmethod
-  def from_automaton(cls, automaton: TokenAutomaton) -> AutomatonTables:
+  def from_automaton(cls, automaton: TokenAutomaton, padded: bool = False,
+                     min_sizes: tuple[int, ...] | None = None) -> AutomatonTables:
+    """The tables of `automaton`; `padded`: every axis rounded up by `bucket` (at least one spare entry
+    each), and to at least `min_sizes` (`sizes` order), so that programs compiled for one automaton serve
+    all automata of the same padded sizes (states keep their ids; the dead state becomes the padded
+    `num_states`)."""
     t = automaton.transitions
     groups: dict[bytes, int] = {}
     members, src, grp, dst = [], [], [], []
@@ -77,13 +88,31 @@ class AutomatonTables:
     member_group = np.concatenate([np.full(len(m), g, np.int32) for g, m in enumerate(members)] or
                                   [np.zeros(0, np.int32)])
     member_class = np.concatenate(members or [np.zeros(0, np.int32)])
-    dead_row = np.full((1, t.shape[1]), automaton.dead, np.int32)
+    sizes = [len(m) for m in members]
+    distance, accepting = automaton.distance, automaton.accepting
+    if padded:  # one spare state s0, class m0 and group g0 at least; spare members and edges use only them
+      s0, m0, g0, p0, e0 = len(distance), t.shape[1], len(members), len(member_class), len(src)
+      s, m, g, p, e = (max(bucket(n + 1), least) for n, least in zip((s0, m0, g0, p0, e0), min_sizes or (0,) * 5))
+      t = np.pad(np.where(t == automaton.dead, s, t), ((0, s - s0), (0, m - m0)), constant_values=s)
+      member_class = np.pad(member_class, (0, p - p0), constant_values=m0)
+      member_group = np.pad(member_group, (0, p - p0), constant_values=g0)
+      sizes = sizes + [p - p0] + [0] * (g - g0 - 1)
+      src, grp, dst = (np.pad(np.asarray(x, np.int32), (0, e - e0), constant_values=v)
+                       for x, v in ((src, s0), (grp, g0), (dst, s0)))
+      distance = np.pad(distance, (0, s - s0), constant_values=np.iinfo(np.int32).max)
+      accepting = np.pad(accepting, (0, s - s0))
+    dead_row = np.full((1, t.shape[1]), t.shape[0], np.int32)
     i32 = lambda x: jnp.asarray(np.asarray(x, np.int32))
     return cls(token_class=i32(automaton.token_class), transitions=i32(np.concatenate([t, dead_row])),
-               member_class=i32(member_class), member_group=i32(member_group),
-               group_size=i32([len(m) for m in members]), edge_src=i32(src),
-               edge_group=i32(grp), edge_dst=i32(dst), distance=i32(automaton.distance),
-               accepting=jnp.asarray(automaton.accepting))
+               member_class=i32(member_class), member_group=i32(member_group), group_size=i32(sizes),
+               edge_src=i32(src), edge_group=i32(grp), edge_dst=i32(dst), distance=i32(distance),
+               accepting=jnp.asarray(accepting))
+
+  @property
+  def sizes(self) -> tuple[int, int, int, int, int]:
+    """(states, classes, groups, group members, edges): the shapes a compiled program depends on."""
+    return (self.distance.shape[0], self.transitions.shape[1], self.group_size.shape[0],
+            self.member_class.shape[0], self.edge_src.shape[0])
 
   @property
   def num_states(self) -> int:
@@ -105,6 +134,12 @@ class AutomatonTables:
     return jnp.moveaxis(best, 0, -1)
 
 
+def bucket(n: int) -> int:
+  """n rounded up to a size class: at least 64, then 8 classes per doubling (at most 1/8 added)."""
+  step = max(1, 1 << max(n.bit_length() - 4, 0))
+  return max(64, -(-n // step) * step)
+
+
 @flax.struct.dataclass
 class ViterbiResult:
   tokens: Array  # [B, C] int32: the constrained argmax canvas (the unconstrained one where infeasible)
@@ -120,6 +155,32 @@ def end_mask(tables: AutomatonTables, remaining: Array) -> Array:
   positions still to come after it.
   """
   return tables.distance[None, :] <= jnp.asarray(remaining)[:, None]
+
+
+def canvas_ends(tables: AutomatonTables, num_canvases: int, tokens: Array, given: Array | None = None) -> Array:
+  """[K, B, S] bool: the states each of K canvases may end in, so that the rest of the output can still
+  be completed: the tokens [B, K * C] held where `given` [B, K * C] is set (a stop token and pad among
+  them) read in place, free positions filled by any token the automaton allows (a stop token and pad
+  included), and the last canvas ending accepted. Computed backward over the later canvases' positions
+  (a boolean reachability pass); without held tokens, the distance test `end_mask(positions after)`."""
+  b, total = tokens.shape
+  c = total // num_canvases
+  if given is None:
+    after = (num_canvases - 1 - jnp.arange(num_canvases)) * c  # [K]
+    return jnp.broadcast_to(tables.distance[None, None, :] <= after[:, None, None],
+                            (num_canvases, b, tables.num_states))
+  ok = _fixed_class_mask(tables, given, jnp.asarray(tokens, jnp.int32), (b, total))  # [B, K*C, M]
+  gs = tables.group_scores(jnp.where(ok, 0.0, _NEG)).reshape(b, num_canvases, c, -1)  # [B, K, C, G]
+  step = _backward_step(tables)
+
+  def canvas(end, gs_k):  # end [B, S]: where canvas k + 1 may end; gs_k [B, C, G]: canvas k + 1
+    start = jax.lax.scan(lambda beta, g: (step(beta, g), None), end, jnp.moveaxis(gs_k, 1, 0),
+                         reverse=True)[0]
+    return start, end
+
+  last = jnp.broadcast_to(jnp.where(tables.accepting, 0.0, _NEG), (b, tables.num_states))
+  first, later = jax.lax.scan(canvas, last, jnp.moveaxis(gs[:, 1:], 1, 0), reverse=True)  # [B, S], [K-1, B, S]
+  return jnp.concatenate([first[None], later], axis=0) > _NEG
 
 
 def advance(tables: AutomatonTables, state: Array, tokens: Array) -> Array:
@@ -167,17 +228,20 @@ def _forward(tables: AutomatonTables, gs: Array, start: Array) -> tuple[Array, A
   return alphas, last, pointers
 
 
-def _backward(tables: AutomatonTables, gs: Array, end_ok: Array) -> Array:
-  """beta [C + 1, B, S]: the best score of a suffix from each position and state that ends well."""
-  s = tables.num_states
-  beta_end = jnp.where(end_ok, 0.0, _NEG)  # [B, S]
-
+def _backward_step(tables: AutomatonTables):
+  """`step(beta after position i [B, S], group scores at i [B, G]) -> beta before i`."""
   def step(beta, gs_i):
     vals = gs_i[:, tables.edge_group] + beta[:, tables.edge_dst]  # [B, E]
-    prev = jax.ops.segment_max(vals.T, tables.edge_src, num_segments=s).T  # [B, S]
-    return prev, beta
+    return jax.ops.segment_max(vals.T, tables.edge_src, num_segments=tables.num_states).T  # [B, S]
+  return step
 
-  first, betas = jax.lax.scan(step, beta_end, jnp.moveaxis(gs, 1, 0), reverse=True)
+
+def _backward(tables: AutomatonTables, gs: Array, end_ok: Array) -> Array:
+  """beta [C + 1, B, S]: the best score of a suffix from each position and state that ends well."""
+  beta_end = jnp.where(end_ok, 0.0, _NEG)  # [B, S]
+  step = _backward_step(tables)
+  first, betas = jax.lax.scan(lambda beta, gs_i: (step(beta, gs_i), beta), beta_end, jnp.moveaxis(gs, 1, 0),
+                              reverse=True)
   return jnp.concatenate([first[None], betas], axis=0)
 
 
