@@ -313,8 +313,8 @@ def test_lora_save_hf_writes_the_merged_model(tmp_path):
 
 
 
-@pytest.mark.parametrize("noise", ["uniform", "masked"])
-def test_given_positions_are_held_clean_and_never_targets(noise):
+@pytest.mark.parametrize("noise,weighting", [("uniform", "elbo"), ("masked", "elbo"), ("masked", "flat")])
+def test_given_positions_are_held_clean_and_never_targets(noise, weighting):
   """`given` (a puzzle's clues, infilling's held text): the denoiser sees those positions clean whatever t
   is, and the loss is the mean over the other positions only (checked against the loss by hand)."""
   model = _tiny_model(canvas=8)
@@ -324,7 +324,8 @@ def test_given_positions_are_held_clean_and_never_targets(noise):
   given[:, 6:14:3] = True  # canvas positions 0, 3, 6
   batch["given"] = jnp.asarray(given)
   noise_fn = {"uniform": dg.diffusion.UniformNoise, "masked": dg.diffusion.MaskedNoise}[noise](16)
-  config = loss_lib.LossConfig(noise=noise_fn, self_conditioning_prob=0.0, ar_loss_weight=0.0, eps=0.3)
+  config = loss_lib.LossConfig(noise=noise_fn, self_conditioning_prob=0.0, ar_loss_weight=0.0, eps=0.3,
+                               loss_weighting=weighting)
   rng = jax.random.key(4)
   loss, metrics = loss_lib.diffusion_loss(model, params, batch, rng, config, num_canvases=1)
 
@@ -336,6 +337,8 @@ def test_given_positions_are_held_clean_and_never_targets(noise):
   assert np.asarray(corrupted & held).any()  # without holding, some given positions would be noised
   noisy = jnp.where(held, clean, noisy)
   weights = noise_fn.loss_weights(corrupted & ~held, t[..., None])
+  if weighting == "flat":  # masked: every masked token alike, no 1/t
+    weights = (corrupted & ~held).astype(jnp.float32)
   _, cache = model.apply(params, batch["tokens"][:, :6], method=model.encode)
   logits = noise_fn.prepare_logits(model.apply(params, noisy[:, 0], cache, method=model.denoise))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, clean[:, 0])

@@ -53,6 +53,7 @@ import optax
 from diffusiongemma.diffusion import noise as noise_lib
 
 Array = jax.Array
+LOSS_WEIGHTINGS = ("elbo", "flat")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,6 +68,10 @@ class LossConfig:
   diffusion_loss_weight: float = 1.0  # 0: the AR baseline (see the module docstring)
   all_canvases: bool = False
   ar_loss_on_prompt: bool = True  # False: the AR loss covers the response (canvas) targets only
+  # 'elbo': the noise process's own weights (uniform: 1 everywhere; masked: 1/t on masked positions, the
+  # bound); 'flat': 1 wherever those are positive (masked noise then weighs every masked token alike, which
+  # puts the emphasis on heavily masked canvases; uniform noise is unchanged).
+  loss_weighting: str = "elbo"
 
   def __post_init__(self):
     if not hasattr(self.noise, "corrupt"):
@@ -80,12 +85,20 @@ class LossConfig:
     if self.diffusion_loss_weight < 0:
       raise ValueError("config.diffusion.diffusion_loss_weight must be >= 0, got "
                        f"{self.diffusion_loss_weight}.")
+    if self.loss_weighting not in LOSS_WEIGHTINGS:
+      raise ValueError(f"config.diffusion.loss_weighting={self.loss_weighting!r} is invalid; expected one of "
+                       f"{LOSS_WEIGHTINGS}.")
     if self.diffusion_loss_weight == 0 and self.ar_loss_weight == 0:
       raise ValueError("config.diffusion.diffusion_loss_weight and ar_loss_weight are both 0: nothing "
                        "would be trained; set at least one of them > 0.")
 
   def replace(self, **changes) -> "LossConfig":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def is_elbo(self) -> bool:
+    """The weighted diffusion loss bounds the negative log-likelihood (masked noise, ELBO weights)."""
+    return self.noise.loss_is_elbo and self.loss_weighting == "elbo"
 
 
 def _cross_entropy(logits: Array, labels: Array) -> Array:
@@ -168,6 +181,8 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   noisy, corrupted = noise.corrupt(k_noise, clean, t[..., None])  # [B, n, C]
   noisy, corrupted = jnp.where(held, clean, noisy), corrupted & ~held
   weights = noise.loss_weights(corrupted, t[..., None]) * ~held  # [B, n, C]
+  if config.loss_weighting == "flat":  # the same positions, without the 1/t
+    weights = (weights > 0).astype(jnp.float32)
   valid = (jnp.arange(n)[None] < rows[:, None])[..., None] & ~held  # [B, n, C]: the response's free positions
   if config.all_canvases:  # every canvas, block-causally, in one pass
     canvas, block_length = noisy.reshape(b, n * c), c

@@ -182,7 +182,7 @@ class _Setup:
   def evaluate(self, params, val_dataset, num_batches: int) -> dict:
     return validation.evaluate_params(
         self.programs.eval_step, self.model_variables(params), iter(val_dataset),
-        num_batches=num_batches, elbo=self.loss_cfg.noise.loss_is_elbo,
+        num_batches=num_batches, elbo=self.loss_cfg.is_elbo,
         to_global=lambda b: to_global(b, self.batch_sharding))
 
 
