@@ -19,6 +19,7 @@ import notebooks
 from projects.sudoku import data as sudoku
 from projects.sudoku import solve as sudoku_eval
 from projects.sudoku import task as sudoku_task
+from projects.sudoku import weights as shipped
 
 ROOT = pathlib.Path(__file__).parent.parent
 CONFIG = ROOT / "projects" / "sudoku" / "config.py"
@@ -241,27 +242,72 @@ def test_solve_counts_passes_and_checks_solutions():
     sudoku_eval.solve("beam", params, puzzles)
 
 
+def test_the_shipped_weights_solve_held_out_puzzles():
+  """The weights in projects/sudoku/weights/diffusion solve a fixed set of held-out 36-40-clue puzzles (the
+  validation stream, far past what the README's numbers used) at >= 90% in <= 12 passes on average."""
+  config, variables, provenance = shipped.load(shipped.DIFFUSION)
+  puzzles, _ = sudoku.generate_many(50, (36, 37, 38, 39, 40), seed=0, split="validation", start=5_000_000)
+  result = sudoku_eval.solve(dg.build.sampler(config), variables, puzzles, batch_size=50)
+  assert result.solved.mean() >= 0.9 and result.passes.mean() <= 12, (result.summary(), provenance)
+  assert provenance["command"].startswith("python scripts/train.py --config=projects/sudoku/config.py")
+
+
+def _run(*args, timeout=900):
+  return subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+  """projects/sudoku/config.py:tiny and :tiny_ar, each trained 4 steps with scripts/train.py."""
+  root = tmp_path_factory.mktemp("sudoku_runs")
+  for arg, name in (("tiny", "diffusion"), ("tiny_ar", "ar")):
+    _run("scripts/train.py", f"--config={CONFIG}:{arg}", f"--workdir={root / name}",
+         "--config.train.num_steps=4", "--config.train.eval_every=0", "--config.train.checkpoint_every=2")
+  return root / "diffusion", root / "ar"
+
+
 @pytest.mark.slow
-def test_train_and_solve_script_end_to_end(tmp_path):
-  """projects/sudoku/config.py:tiny trains for a few steps with scripts/train.py, then solve_sudoku.py writes a
-  line per puzzle and its summary (an untrained model solves nothing: the plumbing is what is tested)."""
-  workdir = tmp_path / "w"
-  env_run = lambda *args: subprocess.run([sys.executable, *args], cwd=ROOT, check=True, capture_output=True,
-                                         text=True, timeout=900)
-  env_run("scripts/train.py", f"--config={CONFIG}:tiny", f"--workdir={workdir}",
-          "--config.train.num_steps=4", "--config.train.eval_every=0")
+def test_train_and_solve_script_end_to_end(tiny_runs, tmp_path):
+  """solve_sudoku.py writes a line per puzzle and its summary for both decoders (an untrained model solves
+  nothing: the plumbing is what is tested), and refuses a bad puzzle file naming the line."""
+  diffusion, ar = tiny_runs
   puzzles, _ = sudoku.generate_many(5, (36, 40), seed=0, split="validation")
   sudoku.write_puzzles(tmp_path / "in.txt", puzzles, blank=".")
-  for extra in ([], ["--autoregressive"]):
-    out = env_run("scripts/solve_sudoku.py", f"--config={CONFIG}:tiny", f"--workdir={workdir}",
-                  f"--puzzles={tmp_path / 'in.txt'}", f"--output={tmp_path / 'out.txt'}",
-                  "--config.sampler.max_denoising_steps=3", "--batch_size=4", *extra)
+  for arg, workdir, extra in (("tiny", diffusion, []), ("tiny_ar", ar, ["--autoregressive"])):
+    out = _run("scripts/solve_sudoku.py", f"--config={CONFIG}:{arg}", f"--workdir={workdir}",
+               f"--puzzles={tmp_path / 'in.txt'}", f"--output={tmp_path / 'out.txt'}",
+               "--config.sampler.max_denoising_steps=3", "--batch_size=4", *extra)
     lines = (tmp_path / "out.txt").read_text().splitlines()
     assert len(lines) == 5 and all(len(line) == 81 and line.isdigit() for line in lines)
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("solved ") and "passes/puzzle" in last and "puzzles/s" in last
     stats = json.loads(out.stdout.strip().splitlines()[-2])
     assert stats["puzzles"] == 5 and 1 <= stats["passes_per_puzzle"] <= (81 if extra else 3)
+  (tmp_path / "bad.txt").write_text(sudoku.format_grid(puzzles[0]) + "\n" + "5" * 81 + "\n")
+  with pytest.raises(subprocess.CalledProcessError) as error:
+    _run("scripts/solve_sudoku.py", f"--config={CONFIG}:tiny", f"--workdir={diffusion}",
+         f"--puzzles={tmp_path / 'bad.txt'}", f"--output={tmp_path / 'out.txt'}")
+  assert "bad.txt:2: the clues break the rules: the digit 5 appears twice in row 1" in error.value.stderr
+
+
+@pytest.mark.slow
+def test_report_measures_every_decoder_set_rule_and_checkpoint(tiny_runs, tmp_path):
+  diffusion, ar = tiny_runs
+  output = tmp_path / "sudoku.json"
+  _run("-m", "projects.sudoku.report", f"--workdir={diffusion}", f"--ar_workdir={ar}", f"--output={output}",
+       "--per_level=1", "--batch_size=4", "--batch_sizes=1,2", "--margins=0.9", f"--seed_workdirs={diffusion}")
+  report = json.loads(output.read_text())
+  for name in ("diffusion", "ar_model"):
+    for key in ("36-40", "30-35", "symmetric 36-40", "36-40 batch 1"):
+      assert 0 <= report["decoders"][name][key]["solve_rate"] <= 1, (name, key)
+  assert report["decoders"]["diffusion"]["36-40"]["by_clues"].keys() == {"36", "37", "38", "39", "40"}
+  assert [r["batch_size"] for r in report["batch_sweep"]] == [1, 2]
+  assert [r["acceptance"].split("(")[0] for r in report["acceptance"]] == [
+      "Margin", "Confidence", "Confidence", "EntropyBound", "EntropyBound", "Margin"]
+  assert [p["step"] for p in report["curve"]] == [2, 4] and report["seeds"][0]["workdir"] == str(diffusion)
+  assert report["settings"]["config"]["data"]["task"] == "projects.sudoku.task"
+  assert output.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

@@ -1,44 +1,6 @@
-"""The block-diffusion training objective of DiffusionGemma, with self-conditioning and the AR term.
-
-Each example is a clean sequence `tokens` [B, L]: a prompt of `prompt_length` tokens, then n canvases
-of C tokens. The encoder runs causally over the whole clean sequence once; because causal keys depend
-only on earlier tokens, `cache.with_length(start)` is exactly the clean cache of everything before
-`start`. Then:
-
-- one canvas per example (default, as the released model trains): canvas j ~ U{0..n-1}, corrupted at
-  t ~ U(eps, 1 - eps), denoised attending to the clean prompt and the clean earlier canvases only;
-- `all_canvases=True`: every canvas, each with its own t, in one block-causal denoiser pass (block i
-  sees the cache up to its own start and itself), the loss averaged over canvases. With the same noise
-  draws this equals the mean of the one-canvas losses (tested).
-
-The diffusion loss of a canvas is the mean over its C positions of weight x cross-entropy, the weights
-coming from the noise process (uniform: 1 everywhere; masked: 1/t on masked positions, the ELBO).
-Gradients flow into the encoder through the cache as well as through the denoiser (one set of weights).
-
-Self-conditioning (with probability p per example): pass 1 denoises with no signal; its raw logits,
-with the gradient stopped, feed pass 2 as the self-conditioning signal. Rows not chosen get a **zero
-signal** (transformers' `self_conditioning_mask`), which is exactly what the sampler's first step
-sees; Google's code feeds them uniform logits instead. The loss is taken on pass 2 only. With p = 0
-pass 1 is skipped.
-
-Total loss = `diffusion_loss_weight` x diffusion loss + `ar_loss_weight` x the encoder's next-token
-cross-entropy on the clean sequence (every position up to the end of the row's canvases, EOS padding
-included, as the released model supervises it; `ar_loss_on_prompt=False` leaves out the targets inside
-the prompt, as supervised fine-tuning usually does). With `ar_loss_weight=0` the encoder runs only over
-the tokens before the last canvas slot (all the denoiser's cache needs) and `ar_loss` reads 0.
-
-Supervised fine-tuning (`data.sft`) puts prompts of different lengths in one batch: `prompt_length`
-[B] is where each row's canvases start, and an optional `num_canvases` [B] (<= n) says how many of the
-n canvas slots hold the row's response; the rest of the row is padding that no loss reads. The
-diffusion loss has terms at canvas positions only: the prompt is never noised and never a target, it
-only conditions the canvas through the clean cache. An optional `given` [B, L] marks canvas positions
-held clean (what the sampler's `given=` holds when infilling): they are never corrupted and never
-targets, and the loss is the mean over the other positions.
-
-`diffusion_loss_weight=0` trains the encoder alone, an autoregressive baseline of the same size
-(configs/small_ar.py): the denoiser passes are then skipped, not multiplied by zero, so the baseline
-costs an AR model's compute, and the diffusion metrics read 0.
-"""
+"""The block-diffusion training objective of DiffusionGemma: the diffusion loss of one (or every) canvas
+with self-conditioning, plus the encoder's next-token loss. `LossConfig` describes it in full;
+`diffusion_loss` computes it for a batch in the training layout (`data.sft`)."""
 
 from __future__ import annotations
 
@@ -59,7 +21,47 @@ LOSS_WEIGHTINGS = ("elbo", "flat")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
   """The objective: a frozen, hashable value (a static jit argument), built by `build.loss(config)` from
-  `config.diffusion`; its `noise` is the same object the sampler of that config is given."""
+  `config.diffusion`; its `noise` is the same object the sampler of that config is given.
+
+  Each example is a clean sequence `tokens` [B, L]: a prompt of `prompt_length` tokens, then n canvases
+  of C tokens. The encoder runs causally over the whole clean sequence once; because causal keys depend
+  only on earlier tokens, `cache.with_length(start)` is exactly the clean cache of everything before
+  `start`. Then:
+
+  - one canvas per example (default, as the released model trains): canvas j ~ U{0..n-1}, corrupted at
+    t ~ U(eps, 1 - eps), denoised attending to the clean prompt and the clean earlier canvases only;
+  - `all_canvases=True`: every canvas, each with its own t, in one block-causal denoiser pass (block i
+    sees the cache up to its own start and itself), the loss averaged over canvases. With the same noise
+    draws this equals the mean of the one-canvas losses (tested).
+
+  The diffusion loss of a canvas is the mean over its C positions of weight x cross-entropy, the weights
+  coming from the noise process (uniform: 1 everywhere; masked: 1/t on masked positions, the ELBO).
+  Gradients flow into the encoder through the cache as well as through the denoiser (one set of weights).
+
+  Self-conditioning (with probability p per example): pass 1 denoises with no signal; its raw logits,
+  with the gradient stopped, feed pass 2 as the self-conditioning signal. Rows not chosen get a **zero
+  signal** (transformers' `self_conditioning_mask`), which is exactly what the sampler's first step
+  sees; Google's code feeds them uniform logits instead. The loss is taken on pass 2 only. With p = 0
+  pass 1 is skipped.
+
+  Total loss = `diffusion_loss_weight` x diffusion loss + `ar_loss_weight` x the encoder's next-token
+  cross-entropy on the clean sequence (every position up to the end of the row's canvases, EOS padding
+  included, as the released model supervises it; `ar_loss_on_prompt=False` leaves out the targets inside
+  the prompt, as supervised fine-tuning usually does). With `ar_loss_weight=0` the encoder runs only over
+  the tokens before the last canvas slot (all the denoiser's cache needs) and `ar_loss` reads 0.
+
+  Supervised fine-tuning (`data.sft`) puts prompts of different lengths in one batch: `prompt_length`
+  [B] is where each row's canvases start, and an optional `num_canvases` [B] (<= n) says how many of the
+  n canvas slots hold the row's response; the rest of the row is padding that no loss reads. The
+  diffusion loss has terms at canvas positions only: the prompt is never noised and never a target, it
+  only conditions the canvas through the clean cache. An optional `given` [B, L] marks canvas positions
+  held clean (what the sampler's `given=` holds when infilling): they are never corrupted and never
+  targets, and the loss is the mean over the other positions.
+
+  `diffusion_loss_weight=0` trains the encoder alone, an autoregressive baseline of the same size
+  (configs/small_ar.py): the denoiser passes are then skipped, not multiplied by zero, so the baseline
+  costs an AR model's compute, and the diffusion metrics read 0.
+  """
 
   noise: noise_lib.NoiseProcess
   eps: float = 1e-4

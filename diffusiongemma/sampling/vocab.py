@@ -1,42 +1,9 @@
 """The vocabulary end of a denoising step, streamed: statistics, one draw and the self-conditioning signal
 of the tempered distribution softmax(logits / T), without a [B, C, V] array.
 
-`VocabHead.stats(table, hidden, temperature, uniforms)` runs the tied LM head over the vocabulary in
-chunks of U tokens (`chunk_size`; None: one chunk; "auto": chosen from a memory budget, below) and, chunk by
-chunk, the final softcap, the token that
-must never be sampled, the temperature and an online log-sum-exp: per position it keeps the running max m,
-the mass s = sum exp(l - m), the spread sum exp(l - m) (l - m), the argmax and the embedding rows weighted by
-exp(l - m). From those: entropy log s - spread / s, top probability 1 / s, and the soft embedding
-softmax(l) @ E * sqrt(D) in the parameter dtype (`layers.soft_embedding`), which the next step feeds back
-as self-conditioning instead of logits. With one chunk the same operations run on the whole vocabulary,
-which is what `token_stats` does on given logits (the unchunked path, equal to it exactly); more chunks
-change only the order of the float sums.
-
-The draw: inverse CDF with one uniform u per position, over the vocabulary ordered argmax first, then by
-id (any fixed order gives an exact draw; this one makes the common case free). u < 1 / s (the top
-probability) draws the argmax, known from the statistics. Otherwise the draw is the first other token whose
-cumulative mass exceeds u s - 1, which needs the logits again: `VocabHead.draw` recomputes them only for the
-positions that need it (the step asks only where a token is accepted), `draw_slots` positions per row at
-a time, so a peaked distribution costs nothing and a flat one a few rows of the head. Rows are handled
-independently (each row's slots are its own positions), so a row's draw does not depend on its batch.
-
-A constraint would restrict the distribution here, chunk by chunk (`restrict(scaled chunk, first id) ->
-scaled chunk`, e.g. disallowed tokens to `NEVER_LOGIT`): every statistic, the draw and the soft embedding
-then follow the restricted distribution.
-
-Chunk size "auto" (`VocabHead.chunk_for`): one chunk when a float32 [B, C, V] array fits `budget_mib`, else
-the fewest chunks whose [B, C, U] arrays each fit it (U a multiple of 128); on a CPU, at most
-`auto_max_chunk` = 1024 tokens per chunk besides. The head holds a few such arrays at once (logits, their
-exponentials, the draw's cumulative sums), so the budget bounds its memory to a small multiple of itself
-either way. On a GPU chunks cost time where a whole-vocabulary matmul is affordable: on an H200 (vocab
-262,144, canvas 256) 1024-token chunks made a generation 2.4x slower at batch 1 and 1.4x at batch 8 than
-one chunk; the default budget of 256 MiB keeps one chunk at batch 1 and 32,768-token chunks at batch 8 (a
-2 GiB [B, C, V] array otherwise), which keeps the released vocabulary's generation at batch 8 under 2.5 GiB
-(1.5-1.6 GiB measured on a CPU with that choice forced, tests/test_sampler_memory.py; 0.9 GiB with 1024). On a CPU it is the other way round: chunks that stay in
-the caches beat one large matmul (the 25M model at batch 1, vocab 8192: the head took ~60 ms in 1024-token
-chunks, ~120 ms in one, on a loaded 2-core machine), so "auto" keeps the 1024-token chunks measured best
-there. Both choices are static: the backend is asked once when the head is built (`for_model`), and B and
-C are shapes at trace time.
+`VocabHead` streams the tied LM head over the vocabulary in chunks with an online log-sum-exp (entropy,
+top probability, runner-up, argmax, the soft embedding), and draws by inverse CDF only where a token is
+accepted. The algorithm and the choice of chunks: docs/sampler.md.
 
 Axes: B batch, C canvas, D model, V vocab, U vocabulary chunk, N chunks, R draw slots per row.
 """

@@ -1,22 +1,23 @@
-r"""The Sudoku recipe measured: three decoders, the solve rate against training time, clue levels, and
-the entropy-bound x step-cap sweep, into one JSON (every setting it ran with) and one plot.
+r"""The Sudoku recipe measured, into one JSON (every setting it ran with) and one plot.
 
-  python scripts/train.py --config=projects/sudoku/config.py --workdir=W
-  python scripts/train.py --config=projects/sudoku/config.py:ar --workdir=W_AR
-  python -m projects.sudoku.report --workdir=W --ar_workdir=W_AR --output=results/sudoku.json
+  python -m projects.sudoku.report --workdir=W --ar_workdir=W_AR [--seed_workdirs=W1,W2] \
+      --output=results/sudoku.json
 
-Held-out puzzles come from the validation split (a random stream training never draws from):
-`--per_level` puzzles at each of `--levels` (the issue's 36-40 clues) and of `--easy_levels`. For each
-decoder (block diffusion with the workdir's `config.sampler`; greedy AR decoding of the same weights;
-the AR model of `--ar_workdir`, greedy) the JSON holds `evaluation.sudoku`'s summary (solve rate,
-denoiser or forward passes per puzzle, tokens per forward, seconds per solved puzzle, puzzles/s) over
-the `--levels` puzzles and the solve rate per clue count over all of them; `curve` the solve rate of
-both models' checkpoints on the `--levels` puzzles against their training seconds (`time/train_s`);
-`sweep` the diffusion model at every (entropy_bound, max_denoising_steps). The plot (the `--output`
-path with `.png`) shows the curve and the sweep's solve rate against passes per puzzle.
+Without --workdir / --ar_workdir the shipped weights are measured. Puzzles: `--per_level` held-out puzzles
+at each of 36-40 clues from the generator's validation stream (the headline set), at 30-35 clues, and at
+36-40 clues from the independent symmetric generator (`other_generator`). For each decoder (block
+diffusion with the run's `config.sampler`; the AR model, greedy; AR decoding of the diffusion weights
+when they were trained with an AR loss) the JSON holds `solve.SolveResult.summary()` at batch 1 and at
+`--batch_size` (solve rate, passes and tokens per forward, seconds per solved puzzle, puzzles/s), with
+the time per solved puzzle of AR over diffusion; `batch_sweep` the same at each of `--batch_sizes` (where
+AR overtakes, if it does); `acceptance` the diffusion model under each acceptance rule and threshold, and
+with the clues not held; `curve` the solve rate of every checkpoint against its training seconds; `seeds`
+the headline solve rate of each run of `--seed_workdirs`. Timings are meaningful on a quiet machine only:
+the JSON records the load average before and after and a matmul peak measured in the run.
 """
 
 import json
+import os
 import pathlib
 
 from absl import app
@@ -24,36 +25,57 @@ from absl import flags
 from absl import logging
 import numpy as np
 
+from benchmarks import measure
 from diffusiongemma import build
-from diffusiongemma import parallel
 from diffusiongemma import training
+from diffusiongemma.diffusion import acceptance
 from projects.sudoku import data as sudoku
-from projects.sudoku import solve as sudoku_eval
+from projects.sudoku import other_generator
+from projects.sudoku import solve
+from projects.sudoku import weights as shipped
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The block-diffusion run (projects/sudoku/config.py).")
-_AR_WORKDIR = flags.DEFINE_string("ar_workdir", None, "The AR run (projects/sudoku/config.py:ar); optional.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The block-diffusion run (default: the shipped weights).")
+_AR_WORKDIR = flags.DEFINE_string("ar_workdir", None, "The AR run (default: the shipped AR weights).")
+_SEEDS = flags.DEFINE_list("seed_workdirs", [], "More runs of the same recipe (other seeds): their solve rates.")
 _OUTPUT = flags.DEFINE_string("output", "results/sudoku.json", "The JSON to write (and .png beside).")
-_LEVELS = flags.DEFINE_list("levels", ["36", "37", "38", "39", "40"], "Clue counts of the headline set.")
-_EASY = flags.DEFINE_list("easy_levels", ["45", "50", "55"], "Easier clue counts, reported per level.")
 _PER_LEVEL = flags.DEFINE_integer("per_level", 40, "Held-out puzzles per clue count.")
-_BOUNDS = flags.DEFINE_list("entropy_bounds", ["0.01", "0.03", "0.1", "0.3"], "Sweep: entropy bounds.")
-_CAPS = flags.DEFINE_list("max_steps", ["8", "12", "24", "48"], "Sweep: step caps.")
-_BATCH_SIZE = flags.DEFINE_integer("batch_size", 100, "Puzzles per sampler call.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per sampler call for the solve rates.")
+_BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes timed for the crossover.")
+_MARGINS = flags.DEFINE_list("margins", ["0.5", "0.7", "0.9", "0.97"], "Margin thresholds compared.")
+_CURVE = flags.DEFINE_bool("curve", True, "Solve every checkpoint (the solve rate against training time).")
 _SEED = flags.DEFINE_integer("seed", 0, "Puzzle stream (validation split) and sampling seed.")
-flags.mark_flags_as_required(["workdir"])
 
 _KEYS = ("solve_rate", "passes_per_puzzle", "tokens_per_forward", "seconds_per_solved", "puzzles_per_s",
          "run_s", "compile_s")
 
 
-def _puzzles(levels, per_level: int, seed: int, start: int) -> np.ndarray:
-  puzzles, _ = sudoku.generate_many(per_level * len(levels), [int(k) for k in levels], seed,
-                                    split="validation", start=start)
-  return puzzles
+def _summary(result) -> dict:
+  s = result.summary()
+  return {k: (None if s[k] == float("inf") else s[k]) for k in _KEYS}
+
+
+def puzzle_sets(per_level: int, seed: int) -> dict[str, np.ndarray]:
+  """The held-out sets: 36-40 and 30-35 clues from the validation stream, 36-40 from the other generator."""
+  headline, _ = sudoku.generate_many(5 * per_level, (36, 37, 38, 39, 40), seed, "validation")
+  hard, _ = sudoku.generate_many(6 * per_level, (30, 31, 32, 33, 34, 35), seed, "validation", start=10**6)
+  other, _ = other_generator.generate_many(5 * per_level, (36, 37, 38, 39, 40), seed)
+  return {"36-40": headline, "30-35": hard, "symmetric 36-40": other}
+
+
+def _run(workdir, name):
+  """(config, variables, source) of a workdir's latest checkpoint, or of the shipped weights `name`."""
+  if workdir:
+    config = build.workdir_config(workdir)
+    if config is None:
+      raise app.UsageError(f"{workdir!r} holds no training run (no config.json).")
+    weights = build.load(config, workdir=workdir)
+    return config, weights.variables, weights.source
+  config, variables, provenance = shipped.load(name)
+  return config, variables, f"shipped {name} weights (step {provenance['step']})"
 
 
 def _train_seconds(workdir) -> dict[int, float]:
-  """Step -> `time/train_s` (training seconds, compiling and evaluation excluded) from metrics.jsonl."""
+  """Step -> `time/train_s` (compiling and evaluation excluded) from metrics.jsonl."""
   out = {}
   path = pathlib.Path(workdir) / "metrics.jsonl"
   for line in path.read_text().splitlines() if path.is_file() else ():
@@ -63,29 +85,56 @@ def _train_seconds(workdir) -> dict[int, float]:
   return out
 
 
-def _summary(result) -> dict:
-  s = result.summary()
-  return {k: (None if s[k] == float("inf") else s[k]) for k in _KEYS}
-
-
 def _curve(workdir, sampler, puzzles, batch_size, seed) -> list[dict]:
-  """The solve rate at every checkpoint of `workdir`, with its training seconds."""
   seconds = _train_seconds(workdir)
   out = []
   for step in training.checkpoint.saved_steps(workdir):
     variables, _ = training.load_params(workdir, step=step)
-    result = sudoku_eval.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
+    result = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
     known = [s for s in seconds if s <= step]
     out.append({"step": step, "train_s": seconds[max(known)] if known else None, **_summary(result)})
     logging.info("%s step %d: %s", workdir, step, out[-1])
   return out
 
 
-def _decoder(sampler, weights, headline, everything, batch_size, seed) -> dict:
-  result = sudoku_eval.solve(sampler, weights.variables, headline, batch_size=batch_size, seed=seed)
-  levels = sudoku_eval.solve(sampler, weights.variables, everything, batch_size=batch_size, seed=seed)
-  return {"weights": weights.source, **_summary(result),
-          "by_clues": sudoku_eval.by_clues(everything, levels)}
+def _decoders(diffusion, ar, sets, batch_size, seed) -> dict:
+  """Each decoder on each set at `batch_size`, and on the headline set at batch 1."""
+  out = {}
+  for name, (sampler, variables) in {"diffusion": diffusion, "ar_model": ar}.items():
+    row = {"settings": sampler.settings() if name == "diffusion" else {"stop_tokens": list(sampler.stop_tokens)}}
+    for set_name, puzzles in sets.items():
+      result = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
+      row[set_name] = {**_summary(result), "by_clues": solve.by_clues(puzzles, result)}
+    row["36-40 batch 1"] = _summary(solve.solve(sampler, variables, sets["36-40"], batch_size=1, seed=seed))
+    out[name] = row
+    logging.info("%s: %s", name, row["36-40"])
+  d, a = out["diffusion"]["36-40 batch 1"], out["ar_model"]["36-40 batch 1"]
+  if d["seconds_per_solved"] and a["seconds_per_solved"]:
+    out["ar_over_diffusion_seconds_per_solved_batch_1"] = a["seconds_per_solved"] / d["seconds_per_solved"]
+  return out
+
+
+def _batch_sweep(diffusion, ar, puzzles, batch_sizes, seed) -> list[dict]:
+  rows = []
+  for b in batch_sizes:
+    row = {"batch_size": b}
+    for name, (sampler, variables) in {"diffusion": diffusion, "ar_model": ar}.items():
+      row[name] = _summary(solve.solve(sampler, variables, puzzles, batch_size=b, seed=seed))
+    rows.append(row)
+    logging.info("batch %d: %s", b, row)
+  return rows
+
+
+def _acceptance(sampler, variables, puzzles, margins, batch_size, seed) -> list[dict]:
+  rules = [acceptance.Margin(float(m)) for m in margins] + [acceptance.Confidence(0.9), acceptance.Confidence(0.99),
+                                                   acceptance.EntropyBound(0.03), acceptance.EntropyBound(0.1)]
+  rows = []
+  for rule in rules:
+    result = solve.solve(sampler.replace(acceptance=rule), variables, puzzles, batch_size=batch_size, seed=seed)
+    rows.append({"acceptance": repr(rule), "hold_clues": True, **_summary(result)})
+  free = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed, hold_clues=False)
+  rows.append({"acceptance": repr(sampler.acceptance), "hold_clues": False, **_summary(free)})
+  return rows
 
 
 def _plot(report, path):
@@ -94,25 +143,21 @@ def _plot(report, path):
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-  for name, curve in report["curve"].items():
-    points = [(p["train_s"] / 60, p["solve_rate"]) for p in curve if p["train_s"] is not None]
-    if points:
-      left.plot(*zip(*points), marker="o", label=name)
+  points = [(p["train_s"] / 60, p["solve_rate"]) for p in report["curve"] if p["train_s"] is not None]
+  if points:
+    left.plot(*zip(*points), marker="o", label="block diffusion")
   left.set_xlabel("training minutes (this machine)")
-  left.set_ylabel(f"solved ({report['puzzles']['levels']} clues)")
-  left.legend()
+  left.set_ylabel("solved (36-40 clues)")
   left.grid(alpha=0.3)
-  for bound in report["settings"]["entropy_bounds"]:
-    rows = [r for r in report["sweep"] if r["entropy_bound"] == bound]
-    right.plot([r["passes_per_puzzle"] for r in rows], [r["solve_rate"] for r in rows], marker="o",
-               label=f"entropy bound {bound}")
-  for name in ("ar_same_weights", "ar_model"):
-    if name in report["decoders"]:
-      d = report["decoders"][name]
-      right.scatter([d["passes_per_puzzle"]], [d["solve_rate"]], marker="x", s=60, label=name)
-  right.set_xlabel("forward passes per puzzle")
-  right.set_ylabel("solved")
-  right.legend(fontsize=7)
+  sweep = report["batch_sweep"]
+  for name in ("diffusion", "ar_model"):
+    right.plot([r["batch_size"] for r in sweep], [r[name]["seconds_per_solved"] or np.nan for r in sweep],
+               marker="o", label=name)
+  right.set_xscale("log")
+  right.set_yscale("log")
+  right.set_xlabel("batch size")
+  right.set_ylabel("seconds per solved puzzle")
+  right.legend()
   right.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -121,58 +166,35 @@ def _plot(report, path):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  parallel.enable_compilation_cache(_WORKDIR.value)
   training.quiet_orbax_logs()
-  config = build.workdir_config(_WORKDIR.value)
-  if config is None:
-    raise app.UsageError(f"--workdir={_WORKDIR.value!r} holds no training run (no config.json).")
-  ar_config = build.workdir_config(_AR_WORKDIR.value) if _AR_WORKDIR.value else None
-  if _AR_WORKDIR.value and ar_config is None:
-    raise app.UsageError(f"--ar_workdir={_AR_WORKDIR.value!r} holds no training run (no config.json).")
-  bounds, caps = [float(b) for b in _BOUNDS.value], [int(c) for c in _CAPS.value]
+  load_before = list(os.getloadavg())
+  config, variables, source = _run(_WORKDIR.value, shipped.DIFFUSION)
+  ar_config, ar_variables, ar_source = _run(_AR_WORKDIR.value, shipped.AUTOREGRESSIVE)
+  sampler = build.sampler(config)
+  diffusion, ar = (sampler, variables), (build.ar_sampler(ar_config), ar_variables)
   batch, seed = _BATCH_SIZE.value, _SEED.value
-  headline = _puzzles(_LEVELS.value, _PER_LEVEL.value, seed, start=0)
-  easy = _puzzles(_EASY.value, _PER_LEVEL.value, seed, start=len(headline)) if _EASY.value else headline[:0]
-  everything = np.concatenate([headline, easy])
-
-  weights = build.load(config, workdir=_WORKDIR.value)
-  sampler = build.sampler(config, weights.model_config)
-  decoders = {"diffusion": {"sampler": sampler.settings(),
-                            **_decoder(sampler, weights, headline, everything, batch, seed)},
-              "ar_same_weights": _decoder(build.ar_sampler(config, weights.model_config), weights,
-                                          headline, everything, batch, seed)}
-  curve = {"diffusion": _curve(_WORKDIR.value, sampler, headline, batch, seed)}
-  if ar_config is not None:
-    ar_weights = build.load(ar_config, workdir=_AR_WORKDIR.value)
-    ar_sampler = build.ar_sampler(ar_config, ar_weights.model_config)
-    decoders["ar_model"] = _decoder(ar_sampler, ar_weights, headline, everything, batch, seed)
-    curve["ar_model"] = _curve(_AR_WORKDIR.value, ar_sampler, headline, batch, seed)
-  sweep = []
-  for bound in bounds:
-    for cap in caps:
-      swept = build.sampler(config, weights.model_config, entropy_bound=bound, max_denoising_steps=cap)
-      result = sudoku_eval.solve(swept, weights.variables, headline, batch_size=batch, seed=seed)
-      sweep.append({"entropy_bound": bound, "max_denoising_steps": cap, **_summary(result)})
-      logging.info("sweep %s", sweep[-1])
-
+  sets = puzzle_sets(_PER_LEVEL.value, seed)
   report = {
-      "settings": {"workdir": _WORKDIR.value, "ar_workdir": _AR_WORKDIR.value, "seed": seed,
-                   "batch_size": batch, "entropy_bounds": bounds, "max_steps": caps,
-                   "config": config.to_dict(), "ar_config": ar_config.to_dict() if ar_config else None},
-      "puzzles": {"split": "validation", "levels": f"{_LEVELS.value[0]}-{_LEVELS.value[-1]}",
-                  "per_level": _PER_LEVEL.value, "headline": len(headline), "easy_levels": _EASY.value},
-      "train_seconds": {"diffusion": max(_train_seconds(_WORKDIR.value).values(), default=None),
-                        "ar_model": (max(_train_seconds(_AR_WORKDIR.value).values(), default=None)
-                                     if ar_config else None)},
-      "decoders": decoders, "curve": curve, "sweep": sweep}
+      "settings": {"weights": source, "ar_weights": ar_source, "seed": seed, "batch_size": batch,
+                   "per_level": _PER_LEVEL.value, "config": config.to_dict(), "ar_config": ar_config.to_dict()},
+      "machine": {"load_average_before": load_before, "matmul_peak_gflops": measure.matmul_peak_flops(1024) / 1e9},
+      "decoders": _decoders(diffusion, ar, sets, batch, seed),
+      "batch_sweep": _batch_sweep(diffusion, ar, sets["36-40"][:64], [int(b) for b in _BATCH_SIZES.value], seed),
+      "acceptance": _acceptance(sampler, variables, sets["36-40"], _MARGINS.value, batch, seed),
+      "curve": _curve(_WORKDIR.value, sampler, sets["36-40"], batch, seed) if _WORKDIR.value and _CURVE.value else [],
+      "seeds": [{"workdir": w, **_summary(solve.solve(sampler, build.load(build.workdir_config(w), workdir=w).variables,
+                                                     sets["36-40"], batch_size=batch, seed=seed))}
+                for w in _SEEDS.value],
+  }
+  report["machine"]["load_average_after"] = list(os.getloadavg())
   output = pathlib.Path(_OUTPUT.value)
   output.parent.mkdir(parents=True, exist_ok=True)
   output.write_text(json.dumps(report, indent=1, default=str))
   _plot(report, output.with_suffix(".png"))
-  for name, d in decoders.items():
-    print(f"{name:16s} solved {d['solve_rate']:.3f} | passes/puzzle {d['passes_per_puzzle']:.1f} | "
-          f"tokens/forward {d['tokens_per_forward']:.2f} | s/solved {d['seconds_per_solved']} | "
-          f"puzzles/s {d['puzzles_per_s']:.1f}")
+  for name in ("diffusion", "ar_model"):
+    d = report["decoders"][name]
+    print(f"{name:10s} " + " | ".join(f"{k}: solved {d[k]['solve_rate']:.3f}, {d[k]['passes_per_puzzle']:.1f} passes"
+                                       for k in sets))
   print(f"wrote {output} and {output.with_suffix('.png')}")
 
 
