@@ -1,7 +1,7 @@
 """Solving Sudoku with a trained model: block diffusion, AR decoding of the same weights, an AR model.
 
 A puzzle counts as solved when the model's 81 digits form a valid grid that keeps every clue
-(`data.sudoku.check_solution`). For each decoder we report:
+(`projects.sudoku.data.check_solution`). For each decoder we report:
 
 - `solve_rate`: solved / puzzles;
 - `passes_per_puzzle`: forward passes of the model per puzzle after the prompt (diffusion: denoiser
