@@ -12,11 +12,16 @@ command line. Examples (from the repository root):
   HF_DATASETS_OFFLINE=1 python scripts/lm_eval_harness.py --model diffusiongemma \
       --model_args hf_checkpoint=DIR,dtype=float32 --include_path tests/harness_tasks \
       --tasks dg_choice,dg_generate --output_path results/ --log_samples
+
+  # the Sudoku model (the `sudoku` adapter of projects/sudoku/harness.py: clues held, 81 digits out)
+  HF_DATASETS_OFFLINE=1 python scripts/lm_eval_harness.py --model diffusiongemma \
+      --model_args workdir=W,batch_size=16 --include_path projects/sudoku/harness_task --tasks sudoku_solve
 """
 
 from lm_eval.__main__ import cli_evaluate
 
 import diffusiongemma.build.harness  # pylint: disable=unused-import  (registers the `diffusiongemma` model)
+import projects.sudoku.harness  # pylint: disable=unused-import  (registers the `sudoku` adapter)
 
 if __name__ == "__main__":
   cli_evaluate()  # reads sys.argv; no subcommand means `run`

@@ -2,6 +2,7 @@
 solving with every decoder, the shipped weights, and the scripts end to end."""
 
 import json
+import os
 import pathlib
 import random
 import subprocess
@@ -308,6 +309,30 @@ def test_report_measures_every_decoder_set_rule_and_checkpoint(tiny_runs, tmp_pa
   assert [p["step"] for p in report["curve"]] == [2, 4] and report["seeds"][0]["workdir"] == str(diffusion)
   assert report["settings"]["config"]["data"]["task"] == "projects.sudoku.task"
   assert output.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_the_harness_reads_the_solve_rate_through_the_sudoku_adapter(tiny_runs, tmp_path):
+  """lm-evaluation-harness's CLI on the sudoku_solve task (the `sudoku` adapter: clues held, 81 digits out)
+  gives the exact-match rate of the answers it logs; each answer keeps the puzzle's clues."""
+  diffusion, _ = tiny_runs
+  env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "cache"))
+  subprocess.run([sys.executable, "scripts/lm_eval_harness.py", "--model", "diffusiongemma", "--model_args",
+                  f"workdir={diffusion},batch_size=4,max_denoising_steps=3", "--include_path",
+                  "projects/sudoku/harness_task", "--tasks", "sudoku_solve", "--limit", "4", "--output_path",
+                  str(tmp_path / "out"), "--log_samples"], cwd=ROOT, env=env, check=True, capture_output=True,
+                 text=True, timeout=900)
+  results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+  samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_sudoku_solve_*.jsonl")).read_text().splitlines()]
+  assert len(samples) == 4
+  solved = []
+  for sample in samples:
+    puzzle, answer = sudoku.parse_puzzle(sample["doc"]["puzzle"]), sample["resps"][0][0]
+    assert len(answer) == 81 and answer.isdigit()
+    grid = sudoku.parse_puzzle(answer)
+    np.testing.assert_array_equal(grid[puzzle != 0], puzzle[puzzle != 0])
+    solved.append(answer == sample["doc"]["solution"])
+  assert results["results"]["sudoku_solve"]["exact_match,none"] == pytest.approx(np.mean(solved))
 
 
 @pytest.mark.slow
