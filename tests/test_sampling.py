@@ -4,6 +4,7 @@ Every generation test shares one compiled program (batch 3, prompt bucket 8, two
 file stays fast on two cores; the other rules and noises run end to end under the `slow` marker.
 """
 
+import contextlib
 import dataclasses
 import pathlib
 
@@ -294,6 +295,26 @@ def test_on_pass_streams_every_pass_live_and_changes_nothing(params, sampler):
   assert compiled_programs() == compiled + 1  # one streaming program for both listeners
   with pytest.raises(ValueError, match="on_pass must be a callable"):
     sampler.generate(params, prompts, keys, max_new_tokens=NEW, on_pass="print")
+
+
+def test_on_pass_events_reach_only_their_own_listener(params, sampler):
+  """The compiled program sends each pass to the listener its call registered, by id: with another
+  listener registered before the call and a third during it, only the call's own gets events (and all)."""
+  prompts, keys = _prompts(9), _keys(4, 5, 6)
+  plain = sampler.generate(params, prompts, keys, max_new_tokens=NEW)
+  others, own = {"before": [], "during": []}, []
+  registry = sampler_lib._LISTENERS  # pylint: disable=protected-access
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(registry.registered(others["before"].append))
+
+    def listener(event):
+      if not own:  # the call is running: register a newer listener
+        stack.enter_context(registry.registered(others["during"].append))
+      own.append(event)
+
+    sampler.generate(params, prompts, keys, max_new_tokens=NEW, on_pass=listener)
+  assert others == {"before": [], "during": []}
+  assert len(own) == int(np.asarray(plain.canvas_passes).max(0).sum())
 
 
 def test_token_stats_and_acceptance_from_logits():
