@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
+import safetensors
 
 import diffusiongemma as dg
 from diffusiongemma.data import images
@@ -364,7 +365,12 @@ def test_load_hf_text_only_skips_the_vision_weights(reference, caplog):
     text_cfg, text_params = dg.convert.load_hf(path, vision=None)
   assert text_cfg == cfg.replace(vision=None)
   assert "vision_tower" not in text_params and "embed_vision" not in text_params
-  assert any("vision" in record.getMessage() for record in caplog.records)
+  with safetensors.safe_open(path / "model.safetensors", "np") as file:  # what the log must count
+    skipped = sum(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head."))
+                  for k in file.keys())
+  messages = [record.getMessage() for record in caplog.records]
+  assert f"load_hf: skipped {skipped} vision-tower / lm_head tensors (text model only)." in messages, messages
+  assert skipped > 0
 
 
 @pytest.mark.hf
