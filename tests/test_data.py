@@ -246,7 +246,10 @@ def test_pipeline_from_texts_shapes_and_dtypes(tokenizer):
   assert batch["tokens"].shape == (4, 5 + 3 * 8) and batch["tokens"].dtype == np.int32
   assert batch["prompt_length"].shape == (4,) and batch["prompt_length"].dtype == np.int32
   assert (batch["prompt_length"] == 5).all()
-  assert ((batch["tokens"] >= 0) & (batch["tokens"] < tokenizer.vocab_size)).all()
+  # Each row is one window of the documents' token stream (each document's ids, then EOS), distinct.
+  windows = _window_stream(np.asarray(data.tokenize_corpus(texts, tokenizer)), 5 + 3 * 8)
+  rows = [int(np.flatnonzero((windows == row).all(-1))[0]) for row in batch["tokens"]]
+  assert len(set(rows)) == 4
 
 
 def test_validation_pass_reproduces_the_stream():

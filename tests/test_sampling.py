@@ -496,8 +496,17 @@ def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler)
     n = stops[0] + 1 if stops.size else 6
     assert (t[n:] == TINY.pad_id).all() and out.num_forward_passes[row] == n
     np.testing.assert_array_equal(greedy[row, :n], t[:n])
-  sampled = ar_sampler.generate(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.9)
-  assert sampled.tokens.shape == (B, 6)
+  # Sampling: every token lies in the top-p nucleus of softmax(logits) given what came before it.
+  sampled = np.asarray(ar_sampler.generate(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.5).tokens)
+  logits, _ = jax.jit(lambda s: model.apply({"params": params}, s, method=model.encode))(
+      jnp.asarray(np.concatenate([prompts, sampled], 1), jnp.int32))
+  probs = np.asarray(jax.nn.softmax(logits[:, prompts.shape[1] - 1:-1].astype(jnp.float32), -1))  # [B, 6, V]
+  before = np.sum(np.where(probs > np.take_along_axis(probs, sampled[..., None], -1), probs, 0), -1)  # [B, 6]
+  for row, t in enumerate(sampled):
+    stops = np.flatnonzero(np.isin(t, STOP))
+    n = stops[0] + 1 if stops.size else 6
+    assert (before[row, :n] < 0.5 + 1e-5).all(), before[row, :n]  # the mass ranked above it is < top_p
+  assert (sampled != tokens).any()  # and it is a draw, not the greedy output
 
 
 # ------------------------------------------------------------------------------------------ slow
@@ -533,6 +542,11 @@ def test_statistics_and_step_display(params, sampler):
   assert len(lines) == int(out.num_denoiser_passes[1]) and lines[0].startswith("canvas 0 step  1 accepted")
   per_step = stats.accepted_per_step(out)
   assert per_step.shape == (2, CONFIG.max_denoising_steps) and np.nanmin(per_step) >= 1
+  accepted, passes = np.asarray(out.trace.accepted).sum(-1), np.asarray(out.canvas_passes)  # [K, N, B], [B, K]
+  for k, n in [(0, 0), (1, int(passes[:, 1].max()) - 1)]:  # the first step; the last step anyone ran
+    running = n < passes[:, k]
+    np.testing.assert_allclose(per_step[k, n], accepted[k, n][running].mean())
+  assert np.isnan(per_step[0, passes[:, 0].max():]).all()  # no row ran: NaN
   summary = stats.summary(out.tokens, out.canvas_passes, TINY.pad_id, seconds=2.0)
   counts = (np.asarray(out.tokens) != TINY.pad_id).sum(-1)
   passes = np.asarray(out.num_denoiser_passes)
