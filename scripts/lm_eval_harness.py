@@ -21,7 +21,9 @@ command line. Examples (from the repository root):
 from lm_eval.__main__ import cli_evaluate
 
 import diffusiongemma.build.harness  # pylint: disable=unused-import  (registers the `diffusiongemma` model)
+from diffusiongemma import parallel
 import projects.sudoku.harness  # pylint: disable=unused-import  (registers the `sudoku` adapter)
 
 if __name__ == "__main__":
+  parallel.enable_compilation_cache()  # no workdir here: JAX_COMPILATION_CACHE_DIR, else the user cache
   cli_evaluate()  # reads sys.argv; no subcommand means `run`

@@ -6,6 +6,7 @@ import pytest
 
 import chat_fixtures
 from diffusiongemma.parallel import compilation_cache
+from hf_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
 
 
 @pytest.fixture(scope="session", autouse=True)

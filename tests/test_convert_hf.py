@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors
 
 import diffusiongemma as dg
 
@@ -147,10 +148,19 @@ def test_sharded_checkpoint_loads_the_same(checkpoint, tmp_path):
 
 
 def test_vision_tower_is_skipped_with_a_log_line(checkpoint, caplog):
+  """The reference's placeholder vision tower (its image tokens lie outside the 97-token vocabulary) is
+  skipped, and the log says why and how many tensors (counted here from the file)."""
   path, _, _, _ = checkpoint
+  with safetensors.safe_open(path / "model.safetensors", "np") as file:
+    skipped = sum(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head."))
+                  for k in file.keys())
+  assert skipped > 0
   with caplog.at_level(logging.INFO):
     dg.convert.load_hf(path)
-  assert any("vision" in record.getMessage() for record in caplog.records)
+  messages = [record.getMessage() for record in caplog.records]
+  assert f"load_hf: skipped {skipped} vision-tower / lm_head tensors (text model only)." in messages, messages
+  assert any(re.fullmatch(r"config.json has a vision_config, but image tokens \{.*\} lie outside the vocabulary "
+                          r"\(97\): loading the text model only.", m) for m in messages), messages
 
 
 @pytest.mark.parametrize("max_shard_bytes", [2**30, 20_000])  # one file; several shards with an index

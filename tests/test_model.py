@@ -86,6 +86,19 @@ def test_encoder_is_causal(params):
   assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3
 
 
+def test_final_logits_are_softcapped(params):
+  """The logits are softcap * tanh(raw / softcap) of the same model without the cap (softcap 30), checked
+  where it matters: an embedding table scaled so that the raw logits reach far past the cap."""
+  big = {**params, "embedder": {**params["embedder"], "input_embedding": params["embedder"]["input_embedding"] * 30}}
+  tokens = _tokens(8, (1, 7))
+  capped, _ = _encode(big, tokens)
+  raw, _ = _encode(big, tokens, config=TINY.replace(final_logit_softcap=None))
+  raw = np.asarray(raw)
+  assert np.abs(raw).max() > 2 * TINY.final_logit_softcap
+  np.testing.assert_allclose(capped, TINY.final_logit_softcap * np.tanh(raw / TINY.final_logit_softcap), rtol=1e-5,
+                             atol=1e-4)
+
+
 def test_every_canvas_position_sees_every_other(params):
   _, cache = _encode(params, _tokens(1, (1, 7)))
   canvas = _tokens(2, (1, TINY.canvas_length))

@@ -4,6 +4,7 @@ Every generation test shares one compiled program (batch 3, prompt bucket 8, two
 file stays fast on two cores; the other rules and noises run end to end under the `slow` marker.
 """
 
+import contextlib
 import dataclasses
 import pathlib
 
@@ -296,6 +297,26 @@ def test_on_pass_streams_every_pass_live_and_changes_nothing(params, sampler):
     sampler.generate(params, prompts, keys, max_new_tokens=NEW, on_pass="print")
 
 
+def test_on_pass_events_reach_only_their_own_listener(params, sampler):
+  """The compiled program sends each pass to the listener its call registered, by id: with another
+  listener registered before the call and a third during it, only the call's own gets events (and all)."""
+  prompts, keys = _prompts(9), _keys(4, 5, 6)
+  plain = sampler.generate(params, prompts, keys, max_new_tokens=NEW)
+  others, own = {"before": [], "during": []}, []
+  registry = sampler_lib._LISTENERS  # pylint: disable=protected-access
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(registry.registered(others["before"].append))
+
+    def listener(event):
+      if not own:  # the call is running: register a newer listener
+        stack.enter_context(registry.registered(others["during"].append))
+      own.append(event)
+
+    sampler.generate(params, prompts, keys, max_new_tokens=NEW, on_pass=listener)
+  assert others == {"before": [], "during": []}
+  assert len(own) == int(np.asarray(plain.canvas_passes).max(0).sum())
+
+
 def test_token_stats_and_acceptance_from_logits():
   # Row of a near one-hot position, a uniform position and a two-way tie.
   logits = jnp.array([[[20.0, 0, 0, 0], [0, 0, 0, 0], [5.0, 5.0, -20, -20]]])
@@ -475,8 +496,17 @@ def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler)
     n = stops[0] + 1 if stops.size else 6
     assert (t[n:] == TINY.pad_id).all() and out.num_forward_passes[row] == n
     np.testing.assert_array_equal(greedy[row, :n], t[:n])
-  sampled = ar_sampler.generate(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.9)
-  assert sampled.tokens.shape == (B, 6)
+  # Sampling: every token lies in the top-p nucleus of softmax(logits) given what came before it.
+  sampled = np.asarray(ar_sampler.generate(params, prompts, jax.random.key(0), 6, temperature=1.0, top_p=0.5).tokens)
+  logits, _ = jax.jit(lambda s: model.apply({"params": params}, s, method=model.encode))(
+      jnp.asarray(np.concatenate([prompts, sampled], 1), jnp.int32))
+  probs = np.asarray(jax.nn.softmax(logits[:, prompts.shape[1] - 1:-1].astype(jnp.float32), -1))  # [B, 6, V]
+  before = np.sum(np.where(probs > np.take_along_axis(probs, sampled[..., None], -1), probs, 0), -1)  # [B, 6]
+  for row, t in enumerate(sampled):
+    stops = np.flatnonzero(np.isin(t, STOP))
+    n = stops[0] + 1 if stops.size else 6
+    assert (before[row, :n] < 0.5 + 1e-5).all(), before[row, :n]  # the mass ranked above it is < top_p
+  assert (sampled != tokens).any()  # and it is a draw, not the greedy output
 
 
 # ------------------------------------------------------------------------------------------ slow
@@ -512,6 +542,11 @@ def test_statistics_and_step_display(params, sampler):
   assert len(lines) == int(out.num_denoiser_passes[1]) and lines[0].startswith("canvas 0 step  1 accepted")
   per_step = stats.accepted_per_step(out)
   assert per_step.shape == (2, CONFIG.max_denoising_steps) and np.nanmin(per_step) >= 1
+  accepted, passes = np.asarray(out.trace.accepted).sum(-1), np.asarray(out.canvas_passes)  # [K, N, B], [B, K]
+  for k, n in [(0, 0), (1, int(passes[:, 1].max()) - 1)]:  # the first step; the last step anyone ran
+    running = n < passes[:, k]
+    np.testing.assert_allclose(per_step[k, n], accepted[k, n][running].mean())
+  assert np.isnan(per_step[0, passes[:, 0].max():]).all()  # no row ran: NaN
   summary = stats.summary(out.tokens, out.canvas_passes, TINY.pad_id, seconds=2.0)
   counts = (np.asarray(out.tokens) != TINY.pad_id).sum(-1)
   passes = np.asarray(out.num_denoiser_passes)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import PIL.Image
 import pytest
+import safetensors
 
 import diffusiongemma as dg
 from diffusiongemma.data import images
@@ -169,8 +170,14 @@ def test_encode_with_images_jits_and_checks_placeholders(tiny):
   tokens = jnp.asarray([tokens])
   encode = lambda t, p, q: model.apply({"params": params}, t, pixel_values=p, image_position_ids=q,
                                        method=model.encode)
-  logits, cache = jax.jit(encode)(tokens, pixel_values, position_ids)
+  run = jax.jit(encode)
+  logits, cache = run(tokens, pixel_values, position_ids)
   assert logits.shape == (1, tokens.shape[1], cfg.vocab_size) and int(cache.length[0]) == tokens.shape[1]
+  # The pixels reach the positions from the image on, and only those (the text before it is causal).
+  other, _ = run(tokens, pixel_values[..., ::-1], position_ids)
+  first = int(np.flatnonzero(np.asarray(tokens[0]) == cfg.begin_image_id)[0])
+  np.testing.assert_array_equal(other[:, :first], logits[:, :first])
+  assert np.abs(np.asarray(other[:, first + 1:] - logits[:, first + 1:])).max(-1).min() > 1e-4
   with pytest.raises(ValueError, match="has 59 image soft-token placeholders but the 1 images have 60"):
     encode(tokens[:, :-6], pixel_values, position_ids)  # outside jit the counts are checked first
   text_model = dg.DiffusionGemma(cfg.replace(vision=None))
@@ -364,7 +371,12 @@ def test_load_hf_text_only_skips_the_vision_weights(reference, caplog):
     text_cfg, text_params = dg.convert.load_hf(path, vision=None)
   assert text_cfg == cfg.replace(vision=None)
   assert "vision_tower" not in text_params and "embed_vision" not in text_params
-  assert any("vision" in record.getMessage() for record in caplog.records)
+  with safetensors.safe_open(path / "model.safetensors", "np") as file:  # what the log must count
+    skipped = sum(k.startswith(("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head."))
+                  for k in file.keys())
+  messages = [record.getMessage() for record in caplog.records]
+  assert f"load_hf: skipped {skipped} vision-tower / lm_head tensors (text model only)." in messages, messages
+  assert skipped > 0
 
 
 @pytest.mark.hf

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -48,6 +48,9 @@ class SamplerConfig:
   def __post_init__(self):
     if self.stop_tokens is not None:
       tokens = (self.stop_tokens,) if isinstance(self.stop_tokens, numbers.Integral) else self.stop_tokens
+      if isinstance(tokens, (str, bytes, Mapping)) or not isinstance(tokens, Iterable):  # "12": no list of ids
+        raise ValueError(f"SamplerConfig.stop_tokens={self.stop_tokens!r} is invalid: must be a token id or a "
+                         "sequence of them.")
       object.__setattr__(self, "stop_tokens", tuple(tokens))
     self._validate()
 

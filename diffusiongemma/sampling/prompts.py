@@ -53,13 +53,13 @@ def prepare(cfg: ModelConfig, prompt_tokens, prompt_lengths, new_positions: int,
   prompt = np.asarray(prompt_tokens)
   if prompt.ndim == 1:
     prompt = prompt[None]
+  if prompt.ndim == 2 and 0 in prompt.shape:  # before the dtype: numpy makes [[], []] float
+    raise ValueError(f"Empty prompt: prompt_tokens has shape {prompt.shape}; every row needs at least one "
+                     "token (e.g. BOS).")
   if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer):
     raise ValueError(f"prompt_tokens must be integer token ids of shape [batch, length], got shape "
                      f"{prompt.shape} and dtype {prompt.dtype}.")
   b, l = prompt.shape
-  if b == 0 or l == 0:
-    raise ValueError(f"Empty prompt: prompt_tokens has shape {prompt.shape}; every row needs at least one "
-                     "token (e.g. BOS).")
   if prompt_lengths is None:
     lengths = np.full((b,), l, np.int32)
   else:

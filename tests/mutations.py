@@ -1,0 +1,207 @@
+"""The mutation check: deliberate one-line bugs in the core rules, each of which the suite must catch.
+
+    python tests/mutations.py                 # every mutation (about 15 minutes on 2 busy cores)
+    python tests/mutations.py --only softcap  # the mutations whose name contains "softcap"
+    python tests/mutations.py --list          # the list, without running anything
+
+For each mutation: copy the repository's files (tracked and untracked, not ignored) to a temporary folder,
+replace the one line, run the tests that guard it there (`python -m pytest -x`, with the copy first on
+PYTHONPATH) and record whether they fail. Before that, all the tests run once on an unmutated copy: a
+mutation whose tests do not all pass without it is NOT RUN (it could not be caught meaningfully), one
+whose line is no longer found exactly once is STALE (the code moved: update the list). Prints a Markdown table; exits 1 if any
+mutation is missed or stale. Run by hand before a release, not in CI (docs/testing.md has the last table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+  name: str
+  path: str  # relative to the repository root
+  old: str  # found exactly once in the file
+  new: str
+  tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+MUTATIONS = (
+    Mutation("entropy bound off by one (the k-th entropy counted in its own sum)",
+             "diffusiongemma/diffusion/acceptance.py",
+             "selected = (cumulative - sorted_entropy <= self.bound) & sorted_eligible",
+             "selected = (cumulative <= self.bound) & sorted_eligible",
+             ("tests/test_sampling.py::test_entropy_bound_on_hand_written_entropies",
+              "tests/test_sampling.py::test_entropy_bound_ties_and_eligibility",
+              "tests/test_sampling.py::test_token_stats_and_acceptance_from_logits")),
+    Mutation("acceptance ignoring the bound (every eligible position accepted)",
+             "diffusiongemma/diffusion/acceptance.py",
+             "selected = (cumulative - sorted_entropy <= self.bound) & sorted_eligible",
+             "selected = (cumulative - sorted_entropy <= math.inf) & sorted_eligible",
+             ("tests/test_sampling.py::test_entropy_bound_on_hand_written_entropies",
+              "tests/test_sampling.py::test_token_stats_and_acceptance_from_logits")),
+    Mutation("margin acceptance using the confidence",
+             "diffusiongemma/diffusion/acceptance.py",
+             "return _best_or_above(stats.margin, self.threshold, eligible)",
+             "return _best_or_above(stats.confidence, self.threshold, eligible)",
+             ("tests/test_sampling.py::test_margin_rule_on_hand_written_margins",)),
+    Mutation("final logit softcap removed",
+             "diffusiongemma/model/layers.py",
+             "logits = softcap * jnp.tanh(logits / softcap)",
+             "logits = logits",
+             ("tests/test_model.py::test_final_logits_are_softcapped",
+              "tests/test_convert_hf.py::test_logits_match_reference")),
+    Mutation("rope base wrong (sliding layers rotate with the full layers' theta)",
+             "diffusiongemma/model/attention.py",
+             "self.inv_freq = layers.rope_inv_freq(head_dim, cfg.rope_theta)",
+             "self.inv_freq = layers.rope_inv_freq(head_dim, cfg.full_rope_theta)",
+             ("tests/test_convert_hf.py::test_logits_match_reference",)),
+    Mutation("constraint restriction a no-op",
+             "diffusiongemma/sampling/constrained.py",
+             "restrict = lambda scaled, first: jnp.where(allowed, scaled, NEVER_LOGIT)",
+             "restrict = lambda scaled, first: scaled",
+             ("tests/test_constrained_sampling.py::"
+              "test_each_step_keeps_statistics_draws_and_acceptance_inside_the_allowed_set",)),
+    Mutation("infill not holding a given token",
+             "diffusiongemma/sampling/steps.py",
+             "rules.noise.initial_fixed(canvas) | given",
+             "rules.noise.initial_fixed(canvas)",
+             ("tests/test_constrained_sampling.py::test_infilling_holds_the_given_positions_in_every_step",
+              "tests/test_sudoku.py::test_solve_counts_passes_and_checks_solutions")),
+    Mutation("LoRA merge writing into the base's tree",
+             "diffusiongemma/training/lora.py",
+             "merged = jax.tree.map(lambda x: x, tree)  # a fresh container: the input is not mutated",
+             "merged = tree",
+             ("tests/test_finetuning.py::test_lora_training_freezes_the_base_and_optimizes_only_adapters",
+              "tests/test_finetuning.py::test_merged_model_logits")),
+    Mutation("held Sudoku clues noised in the loss",
+             "diffusiongemma/diffusion/loss.py",
+             "noisy, corrupted = jnp.where(held, clean, noisy), corrupted & ~held",
+             "noisy, corrupted = noisy, corrupted & ~held",
+             ("tests/test_finetuning.py::test_given_positions_are_held_clean_and_never_targets",)),
+    Mutation("the sampler ignoring on_pass listeners' ids (events to the first listener registered)",
+             "diffusiongemma/sampling/sampler.py",
+             "listener = self._listeners.get(int(key))",
+             "listener = next(iter(self._listeners.values()), None)",
+             ("tests/test_sampling.py::test_on_pass_events_reach_only_their_own_listener",)),
+    Mutation("transformers cross-checks skipped again (the hf guard a no-op)",
+             "tests/hf_guard.py",
+             "if not report.skipped or not hf_installed():",
+             "if True:",
+             ("tests/test_hf_guard.py::test_reference_import_skips_fail_when_the_extra_is_installed",)),
+    Mutation("README checker ignoring the written decimals",
+             "tests/check_readme_numbers.py",
+             "return math.isfinite(value) and abs(written - value) <= 0.5 * 10.0 ** -decimals * (1 + 1e-9) + 1e-12",
+             "return math.isfinite(value) and abs(written - value) <= 0.5 * (1 + 1e-9) + 1e-12",
+             ("tests/test_readme_numbers.py",)),
+)
+
+
+def repository_files(root: pathlib.Path) -> list[str]:
+  """Tracked and untracked-but-not-ignored files (what a clean clone plus your edits holds)."""
+  out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, check=True,
+                       capture_output=True, text=True).stdout
+  return [f for f in out.split("\0") if f and (root / f).is_file()]
+
+
+def copy_repository(root: pathlib.Path, target: pathlib.Path) -> pathlib.Path:
+  for name in repository_files(root):
+    (target / name).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(root / name, target / name)
+  return target
+
+
+def apply(mutation: Mutation, copy: pathlib.Path) -> bool:
+  """Applies `mutation` to the copy; False (nothing changed) when its line is not found exactly once."""
+  path = copy / mutation.path
+  text = path.read_text()
+  if text.count(mutation.old) != 1:
+    return False
+  path.write_text(text.replace(mutation.old, mutation.new))
+  return True
+
+
+def run_tests(copy: pathlib.Path, tests, cache: pathlib.Path, timeout: float, *options) -> tuple[int, str]:
+  """(pytest's exit code, its output) for `tests` in `copy`; 124 when it timed out."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), os.environ.get("PYTHONPATH", "")]),
+             JAX_COMPILATION_CACHE_DIR=str(cache))
+  command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, *tests]
+  try:
+    result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout,
+                            check=False)
+  except subprocess.TimeoutExpired:
+    return 124, "timed out"
+  return result.returncode, result.stdout
+
+
+def tail(output: str) -> str:
+  lines = [line for line in output.splitlines() if line.strip()]
+  return " / ".join(lines[-2:])[-300:]
+
+
+def failing_guards(mutation: Mutation, baseline_output: str) -> list[str]:
+  """The mutation's tests that did not pass on the unmutated copy (`-rA` summary lines)."""
+  outcomes = [line.split(" ", 2)[:2] for line in baseline_output.splitlines()
+              if line.startswith(("PASSED ", "FAILED ", "ERROR ", "SKIPPED "))]
+  return [test for test in mutation.tests
+          if not any(node.startswith(test) for outcome, node in outcomes if outcome == "PASSED")
+          or any(node.startswith(test) for outcome, node in outcomes if outcome != "PASSED")]
+
+
+def verdict(code: int) -> str:
+  return {0: "MISSED", 1: "caught"}.get(code, f"error (pytest exit {code})")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--only", default="", help="run the mutations whose name contains this")
+  parser.add_argument("--list", action="store_true", help="print the mutations and exit")
+  parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+  args = parser.parse_args(argv)
+  chosen = [m for m in MUTATIONS if args.only in m.name]
+  if args.list:
+    for m in chosen:
+      print(f"{m.name}: {m.path}\n  - {m.old}\n  + {m.new}\n  tests: {' '.join(m.tests)}")
+    return 0
+  rows, bad = [], 0
+  with tempfile.TemporaryDirectory(prefix="dg_mutations_") as tmp:
+    tmp = pathlib.Path(tmp)
+    cache = tmp / "compilation_cache"
+    baseline = copy_repository(ROOT, tmp / "baseline")
+    tests = sorted({t for m in chosen for t in m.tests})
+    _, baseline_output = run_tests(baseline, tests, cache, args.timeout * 2, "-rA")
+    for mutation in chosen:
+      copy = tmp / "mutant"
+      shutil.rmtree(copy, ignore_errors=True)
+      copy_repository(ROOT, copy)
+      start = time.monotonic()
+      output = ""
+      if failing := failing_guards(mutation, baseline_output):
+        result = f"NOT RUN: {', '.join(t.split('::')[-1] for t in failing)} fails unmutated"
+      elif not apply(mutation, copy):
+        result = "STALE (line not found once)"
+      else:
+        code, output = run_tests(copy, mutation.tests, cache, args.timeout, "-x")
+        result = verdict(code)
+      bad += result != "caught"
+      rows.append((mutation, result))
+      print(f"{result}  {mutation.name}  ({time.monotonic() - start:.0f} s)  {tail(output)}", flush=True)
+  print("\n| mutation | file | guarded by | result |\n|---|---|---|---|")
+  for mutation, result in rows:
+    guards = ", ".join(f"`{t.split('::')[-1]}`" for t in mutation.tests)
+    print(f"| {mutation.name} | `{mutation.path}` | {guards} | {result} |")
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
