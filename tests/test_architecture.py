@@ -8,6 +8,7 @@ import sys
 
 from absl import flags
 from ml_collections import config_flags
+import ml_collections
 import pytest
 
 import diffusiongemma as dg
@@ -112,3 +113,13 @@ def test_the_model_config_carries_the_trained_noise_to_every_sampler():
   assert dg.build.loss(config).noise == sampler.noise
   plain = dg.Sampler(dg.DiffusionGemma(dg.build.model_config(config)))  # no noise given: the model's own
   assert plain.noise == sampler.noise
+  # a model section written from a ModelConfig (with its noise) reads back; alone, or agreeing with
+  # config.diffusion; a contradiction is refused by name
+  cfg = dg.build.model_config(config)
+  assert dg.build.model_config(ml_collections.ConfigDict({"model": cfg.to_dict()})) == cfg
+  with config.unlocked():
+    config.model.noise, config.model.mask_token_id = "masked", 7
+  assert dg.build.model_config(config) == cfg
+  config.model.mask_token_id = 8
+  with pytest.raises(ValueError, match="config.model.mask_token_id=8 contradicts config.diffusion.mask_token_id=7"):
+    dg.build.model_config(config)

@@ -50,7 +50,7 @@ def test_vs_transformers_smoke_run_records_the_protocol(tmp_path):
   assert machine["matmul_peak_tflops"] > 0 and machine["matmul_peak_dtype"] == "float32"
   assert results["warnings"] and results["warnings"][0].startswith("LOADED MACHINE")
   fixed = results["settings"]["fixed"]
-  assert fixed["stopping"] == "fixed" and fixed["moe_impl"] in ("grouped", "ragged")
+  assert fixed["stopping_rule"] == "NoEarlyStop()" and fixed["moe_impl"] in ("grouped", "ragged")
   assert fixed["vocab_chunk_size"] == "auto" and results["settings"]["transformers_fixed"]["max_denoising_steps"] == 16
   (run,) = results["runs"]
   assert len(run["ours_runs"]) == len(run["hf_runs"]) == 3 and run["ours_compile_seconds"] >= 0

@@ -3,6 +3,7 @@
 The regex tests share one program per noise (batch 3, two canvases of 8, the shapes of test_sampling.py).
 """
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -16,6 +17,7 @@ import diffusiongemma as dg
 from diffusiongemma import diffusion
 from diffusiongemma.diffusion import acceptance
 from diffusiongemma.diffusion import constraints as cons
+from diffusiongemma.diffusion import schedules
 from diffusiongemma.diffusion import stopping
 from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import stats
@@ -167,13 +169,20 @@ def test_each_step_keeps_statistics_draws_and_acceptance_inside_the_allowed_set(
   table = jnp.asarray(rng.normal(size=(v, d)), jnp.float32)
   hidden = jnp.asarray(rng.normal(size=(b, c, d)), jnp.float32)
   noise_process = diffusion.UniformNoise(v) if never is None else diffusion.MaskedNoise(v, never)
-  rules = steps.Rules(max_denoising_steps=4, t_max=3.0, t_min=1.5, noise=noise_process,
+  rules = steps.Rules(max_denoising_steps=4, schedule=schedules.Linear(3.0, 1.5), noise=noise_process,
                       acceptance=acceptance.EntropyBound(1.0), stopping=stopping.NoEarlyStop())
-  head = vocab_lib.VocabHead(vocab_size=v, softcap=None, dtype="float32", never_token=never)
-  start = jnp.full((b,), automaton.start, jnp.int32)
   seen = []
-  record = lambda stats, _: jax.debug.callback(seen.append, stats)  # the step's statistics, as computed
-  denoiser = steps.Denoiser(lambda *args: hidden, head, table, on_pass=record,
+
+  @dataclasses.dataclass(frozen=True, kw_only=True)
+  class RecordingHead(vocab_lib.VocabHead):  # the step's statistics, as the head computed them
+    def __call__(self, *args, **kwargs):
+      out = super().__call__(*args, **kwargs)
+      jax.debug.callback(seen.append, out.stats)
+      return out
+
+  head = RecordingHead(vocab_size=v, softcap=None, dtype="float32", never_token=never)
+  start = jnp.full((b,), automaton.start, jnp.int32)
+  denoiser = steps.Denoiser(lambda *args: hidden, head, table,
                             constraint=constrained.CanvasConstraint.for_canvas(tables, start, jnp.asarray(1)))
   keys = jax.random.split(jax.random.key(7), b)
   state = steps.init_state(rules, noise_process.initial_canvas(keys, c), jnp.zeros((b,), bool), d)

@@ -36,19 +36,24 @@ def model_config(config) -> ModelConfig:
   """`config.model` with the compute dtype of `config.train` (parameters stay in param_dtype) and the
   noise process of `config.diffusion` (`ModelConfig.noise`, `mask_token_id`)."""
   values = _values(config.model)
-  for field in ("noise", "mask_token_id"):
-    if field in values:
-      raise ValueError(f"config.model.{field} is set from config.diffusion.{field}; set it there.")
+  own = {field: values.pop(field) for field in ("noise", "mask_token_id") if field in values}
   cfg = ModelConfig.from_dict(values)
   train = config.get("train") if hasattr(config, "get") else None
   dtype = train.get("compute_dtype", cfg.dtype) if train is not None else cfg.dtype
   if dtype not in COMPUTE_DTYPES:
     raise ValueError(f"Unknown config.train.compute_dtype {dtype!r}; expected one of {COMPUTE_DTYPES}.")
   diffusion = config.get("diffusion") if hasattr(config, "get") else None
-  name = diffusion.get("noise", "uniform") if diffusion is not None else "uniform"
+  if diffusion is None:  # a bare `{"model": ModelConfig.to_dict()}`: the model section says it all
+    name, mask = own.get("noise", "uniform"), own.get("mask_token_id")
+  else:
+    name, mask = diffusion.get("noise", "uniform"), diffusion.get("mask_token_id", -1)
+    mask = None if mask in (None, -1) else mask
+    for field, value in (("noise", name), ("mask_token_id", mask)):
+      if field in own and own[field] != value:
+        raise ValueError(f"config.model.{field}={own[field]!r} contradicts config.diffusion.{field}="
+                         f"{value!r} (the diffusion section sets it); drop one or make them equal.")
   registry.lookup(registry.NOISES, name, "config.diffusion.noise")
-  mask = diffusion.get("mask_token_id", -1) if diffusion is not None else -1
-  return cfg.replace(dtype=dtype, noise=name, mask_token_id=None if mask in (None, -1) else mask)
+  return cfg.replace(dtype=dtype, noise=name, mask_token_id=mask)
 
 
 def model(config) -> DiffusionGemma:
