@@ -297,7 +297,8 @@ def test_report_measures_every_decoder_set_rule_and_checkpoint(tiny_runs, tmp_pa
   diffusion, ar = tiny_runs
   output = tmp_path / "sudoku.json"
   _run("-m", "projects.sudoku.report", f"--workdir={diffusion}", f"--ar_workdir={ar}", f"--output={output}",
-       "--per_level=1", "--batch_size=4", "--batch_sizes=1,2", "--margins=0.9", f"--seed_workdirs={diffusion}")
+       "--per_level=1", "--batch_size=4", "--batch_sizes=1,2", "--margins=0.9", "--confidences=0.9,0.99",
+       "--entropy_bounds=0.03,0.1", "--curve_every=2", f"--seed_workdirs={diffusion}")
   report = json.loads(output.read_text())
   for name in ("diffusion", "ar_model"):
     for key in ("36-40", "30-35", "symmetric 36-40", "36-40 batch 1"):

@@ -91,9 +91,13 @@ def main(argv):
   print(f"\n{len(puzzles)} held-out puzzles, {','.join(_CLUES.value)} clues; weights: step "
         f"{provenance['step']} ({provenance.get('train_minutes', '?')} min of training)")
   print("\n".join(rows))
-  speedup = ar["seconds_per_solved"] / diffusion["seconds_per_solved"]
-  print(f"wall-clock per solved puzzle: diffusion {speedup:.1f}x better than AR "
-        f"({time.perf_counter() - started:.0f} s for both)")
+  if not ar["solved"] or not diffusion["solved"]:
+    print(f"wall-clock per solved puzzle: AR solved {ar['solved']}, block diffusion {diffusion['solved']} of "
+          f"{len(puzzles)} ({time.perf_counter() - started:.0f} s for both)")
+  else:
+    speedup = ar["seconds_per_solved"] / diffusion["seconds_per_solved"]
+    print(f"wall-clock per solved puzzle: block diffusion {speedup:.1f}x better than AR "
+          f"({time.perf_counter() - started:.0f} s for both)")
   print(f"\nRetrain the shipped weights:\n{RETRAIN}")
   sys.stdout.flush()
 

@@ -41,8 +41,12 @@ _OUTPUT = flags.DEFINE_string("output", "results/sudoku.json", "The JSON to writ
 _PER_LEVEL = flags.DEFINE_integer("per_level", 40, "Held-out puzzles per clue count.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per sampler call for the solve rates.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16", "64"], "Batch sizes timed for the crossover.")
-_MARGINS = flags.DEFINE_list("margins", ["0.5", "0.7", "0.9", "0.97"], "Margin thresholds compared.")
-_CURVE = flags.DEFINE_bool("curve", True, "Solve every checkpoint (the solve rate against training time).")
+_MARGINS = flags.DEFINE_list("margins", ["0.9", "0.99", "0.999"], "Margin thresholds compared.")
+_CONFIDENCES = flags.DEFINE_list("confidences", ["0.99", "0.999", "0.9999"], "Confidence thresholds compared.")
+_ENTROPY_BOUNDS = flags.DEFINE_list("entropy_bounds", ["0.01"], "Entropy bounds compared.")
+_CURVE = flags.DEFINE_bool("curve", True, "Solve checkpoints (the solve rate against training time).")
+_CURVE_EVERY = flags.DEFINE_integer("curve_every", 500, "Solve the checkpoints at multiples of this step.")
+_CURVE_PUZZLES = flags.DEFINE_integer("curve_puzzles", 100, "Puzzles of the 36-40 set each checkpoint solves.")
 _SEED = flags.DEFINE_integer("seed", 0, "Puzzle stream (validation split) and sampling seed.")
 
 _KEYS = ("solve_rate", "passes_per_puzzle", "tokens_per_forward", "seconds_per_solved", "puzzles_per_s",
@@ -85,10 +89,10 @@ def _train_seconds(workdir) -> dict[int, float]:
   return out
 
 
-def _curve(workdir, sampler, puzzles, batch_size, seed) -> list[dict]:
+def _curve(workdir, sampler, puzzles, batch_size, seed, every) -> list[dict]:
   seconds = _train_seconds(workdir)
   out = []
-  for step in training.checkpoint.saved_steps(workdir):
+  for step in [s for s in training.checkpoint.saved_steps(workdir) if s % every == 0]:
     variables, _ = training.load_params(workdir, step=step)
     result = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
     known = [s for s in seconds if s <= step]
@@ -125,9 +129,10 @@ def _batch_sweep(diffusion, ar, puzzles, batch_sizes, seed) -> list[dict]:
   return rows
 
 
-def _acceptance(sampler, variables, puzzles, margins, batch_size, seed) -> list[dict]:
-  rules = [acceptance.Margin(float(m)) for m in margins] + [acceptance.Confidence(0.9), acceptance.Confidence(0.99),
-                                                   acceptance.EntropyBound(0.03), acceptance.EntropyBound(0.1)]
+def _acceptance(sampler, variables, puzzles, batch_size, seed) -> list[dict]:
+  rules = ([acceptance.Margin(float(m)) for m in _MARGINS.value] +
+           [acceptance.Confidence(float(c)) for c in _CONFIDENCES.value] +
+           [acceptance.EntropyBound(float(e)) for e in _ENTROPY_BOUNDS.value])
   rows = []
   for rule in rules:
     result = solve.solve(sampler.replace(acceptance=rule), variables, puzzles, batch_size=batch_size, seed=seed)
@@ -150,11 +155,13 @@ def _plot(report, path):
   left.set_ylabel("solved (36-40 clues)")
   left.grid(alpha=0.3)
   sweep = report["batch_sweep"]
+  finite = lambda x: x if x and np.isfinite(x) else np.nan  # nothing solved: no point
   for name in ("diffusion", "ar_model"):
-    right.plot([r["batch_size"] for r in sweep], [r[name]["seconds_per_solved"] or np.nan for r in sweep],
+    right.plot([r["batch_size"] for r in sweep], [finite(r[name]["seconds_per_solved"]) for r in sweep],
                marker="o", label=name)
   right.set_xscale("log")
-  right.set_yscale("log")
+  if any(np.isfinite(finite(r[n]["seconds_per_solved"])) for r in sweep for n in ("diffusion", "ar_model")):
+    right.set_yscale("log")
   right.set_xlabel("batch size")
   right.set_ylabel("seconds per solved puzzle")
   right.legend()
@@ -176,12 +183,14 @@ def main(argv):
   sets = puzzle_sets(_PER_LEVEL.value, seed)
   report = {
       "settings": {"weights": source, "ar_weights": ar_source, "seed": seed, "batch_size": batch,
-                   "per_level": _PER_LEVEL.value, "config": config.to_dict(), "ar_config": ar_config.to_dict()},
+                   "per_level": _PER_LEVEL.value, "curve_every": _CURVE_EVERY.value,
+                   "curve_puzzles": _CURVE_PUZZLES.value, "config": config.to_dict(), "ar_config": ar_config.to_dict()},
       "machine": {"load_average_before": load_before, "matmul_peak_gflops": measure.matmul_peak_flops(1024) / 1e9},
       "decoders": _decoders(diffusion, ar, sets, batch, seed),
       "batch_sweep": _batch_sweep(diffusion, ar, sets["36-40"][:64], [int(b) for b in _BATCH_SIZES.value], seed),
-      "acceptance": _acceptance(sampler, variables, sets["36-40"], _MARGINS.value, batch, seed),
-      "curve": _curve(_WORKDIR.value, sampler, sets["36-40"], batch, seed) if _WORKDIR.value and _CURVE.value else [],
+      "acceptance": _acceptance(sampler, variables, sets["36-40"], batch, seed),
+      "curve": (_curve(_WORKDIR.value, sampler, sets["36-40"][:_CURVE_PUZZLES.value], batch, seed, _CURVE_EVERY.value)
+                if _WORKDIR.value and _CURVE.value else []),
       "seeds": [{"workdir": w, **_summary(solve.solve(sampler, build.load(build.workdir_config(w), workdir=w).variables,
                                                      sets["36-40"], batch_size=batch, seed=seed))}
                 for w in _SEEDS.value],
