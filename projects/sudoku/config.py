@@ -49,7 +49,7 @@ def get_config(arg=None):
   config.diffusion.self_conditioning_prob = 0.0
   config.diffusion.loss_weighting = "flat"
 
-  config.train.num_steps = 3000
+  config.train.num_steps = 2700
   config.train.batch_size = 64
   config.train.learning_rate = 2e-3
   config.train.warmup_steps = 100
@@ -58,12 +58,15 @@ def get_config(arg=None):
   config.train.eval_batches = 2
   config.train.checkpoint_every = 250
   config.train.keep_checkpoints = 20  # every checkpoint of the run: the solve rate against time
-  config.train.time_budget_s = 3600.0  # the budget: 60 minutes of steps
+  config.train.time_budget_s = 7200.0  # at most 2 hours of steps on this machine (the shipped run: README)
 
   config.sampler.max_new_tokens = sudoku.NUM_CELLS
   config.sampler.max_denoising_steps = 24
-  config.sampler.acceptance = "margin"
-  config.sampler.margin_accept = 0.9
+  # Chosen on 200 validation puzzles of seed 1 (the report uses seed 0): README, the Sudoku section.
+  config.sampler.acceptance = "confidence"
+  config.sampler.confidence_accept = 0.9999
+  config.sampler.schedule = "constant"  # the model's own distribution: T < 1 accepts its confident mistakes
+  config.sampler.temperature = 1.0
   config.sampler.stop_tokens = ()  # the canvas is exactly the grid: no stop token ends it early
   config.sampler.prompt_bucket = 2  # the 82-token prompt is not padded to 128
 

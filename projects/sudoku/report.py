@@ -45,7 +45,7 @@ _MARGINS = flags.DEFINE_list("margins", ["0.9", "0.99", "0.999"], "Margin thresh
 _CONFIDENCES = flags.DEFINE_list("confidences", ["0.99", "0.999", "0.9999"], "Confidence thresholds compared.")
 _ENTROPY_BOUNDS = flags.DEFINE_list("entropy_bounds", ["0.01"], "Entropy bounds compared.")
 _CURVE = flags.DEFINE_bool("curve", True, "Solve checkpoints (the solve rate against training time).")
-_CURVE_EVERY = flags.DEFINE_integer("curve_every", 500, "Solve the checkpoints at multiples of this step.")
+_CURVE_EVERY = flags.DEFINE_integer("curve_every", 500, "Solve the checkpoints at multiples of this step, and the last.")
 _CURVE_PUZZLES = flags.DEFINE_integer("curve_puzzles", 100, "Puzzles of the 36-40 set each checkpoint solves.")
 _SEED = flags.DEFINE_integer("seed", 0, "Puzzle stream (validation split) and sampling seed.")
 
@@ -92,7 +92,8 @@ def _train_seconds(workdir) -> dict[int, float]:
 def _curve(workdir, sampler, puzzles, batch_size, seed, every) -> list[dict]:
   seconds = _train_seconds(workdir)
   out = []
-  for step in [s for s in training.checkpoint.saved_steps(workdir) if s % every == 0]:
+  saved = list(training.checkpoint.saved_steps(workdir))
+  for step in [s for s in saved if s % every == 0 or s == saved[-1]]:  # and the last
     variables, _ = training.load_params(workdir, step=step)
     result = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
     known = [s for s in seconds if s <= step]
