@@ -23,8 +23,8 @@ class Schedule(Protocol):
   def __call__(self, remaining: Array, total: int) -> Array: ...
 
 
-def _check(name: str, t_max, t_min) -> None:
-  for field, value in (("t_max", t_max), ("t_min", t_min)):
+def _check(name: str, t_max, t_min, fields=("t_max", "t_min")) -> None:
+  for field, value in zip(fields, (t_max, t_min)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
       raise ValueError(f"{name}.{field}={value!r} is invalid: must be a positive finite number.")
   if t_min > t_max:
@@ -70,7 +70,7 @@ class Constant:
   temperature: float = 1.0
 
   def __post_init__(self):
-    _check("Constant", self.temperature, self.temperature)
+    _check("Constant", self.temperature, self.temperature, ("temperature", "temperature"))
 
   def __call__(self, remaining: Array, total: int) -> Array:
     del total
