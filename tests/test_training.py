@@ -429,7 +429,7 @@ def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
   q = lambda v: np.asarray(v["params"]["layer_0"]["attn"]["q_einsum"])
   assert np.abs(q(weights.variables) - q(base)).max() > 0  # the adapters moved the weights
   with pytest.raises(ValueError, match="lora_rank=2 trains adapters on frozen weights"):
-    loop.lora_config(_config(corpus, **{"train.lora_rank": 2}))
+    dg.build.lora_config(_config(corpus, **{"train.lora_rank": 2}))
   with pytest.raises(FileNotFoundError, match="init_from='/nowhere' is neither"):
     dg.build.train(_config(corpus, **{"train.init_from": "/nowhere"}), tmp_path / "bad")
   wrong = _config(corpus, **{"train.init_from": str(tmp_path / "base"), "model.num_layers": 3})
