@@ -47,6 +47,8 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for the first tur
 _VIDEO = flags.DEFINE_string("video", None, "A video file for the first turn (1 frame per second).")
 _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "With --hf_checkpoint: int8 attention, MLP "
+                               "and expert weights, quantised as they are read (docs/quantization.md).")
 _JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every reply is valid under.")
 _REGEX = flags.DEFINE_string("regex", None, "Every reply matches this regex (in full).")
 
@@ -55,6 +57,7 @@ def _chat() -> dg.ChatSampler:
   max_new = _MAX_NEW.value or None
   if _HF.value:
     return dg.ChatSampler.from_pretrained(_HF.value, _PRESET.value, dtype=_DTYPE.value, max_new_tokens=max_new,
+                                          model_overrides={"quantize": _QUANTIZE.value},
                                           image_budget=_IMAGE_BUDGET.value, seed=_SEED.value)
   if _WORKDIR.value:
     return dg.build.chat_sampler(_WORKDIR.value, _CONFIG.value, tokenizer=_TOKENIZER.value,

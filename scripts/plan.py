@@ -21,6 +21,8 @@ _BATCH = flags.DEFINE_integer("batch_size", 8, "Global batch (sequences).")
 _LENGTH = flags.DEFINE_integer("sequence_length", 8192, "Tokens per sequence: the KV cache length when "
                                "sampling, prompt + canvases when training.")
 _TRAINING = flags.DEFINE_bool("training", False, "Plan a train step (float32 parameters and AdamW).")
+_QUANTIZE = flags.DEFINE_enum("quantize", None, ["none", "int8"], "Weights as stored for inference (default: "
+                               "config.model.quantize); int8 quantises attention, MLP and expert weights.")
 _DEVICE_GB = flags.DEFINE_float("device_gb", 80.0, "Memory per device, GB (1e9 bytes).")
 
 
@@ -28,11 +30,16 @@ def main(argv):
   del argv
   config = _CONFIG.value
   cfg = dg.build.model_config(config)
+  if _QUANTIZE.value is not None:
+    cfg = cfg.replace(quantize=_QUANTIZE.value)
+  if cfg.quantize != "none" and _TRAINING.value:
+    raise app.UsageError(f"--quantize={cfg.quantize} is for inference: a train step keeps float32 weights.")
   sizes = mesh_lib.mesh_shape(config.mesh, _NUM_DEVICES.value)
   plan = plan_lib.memory_plan(cfg, sizes, batch_size=_BATCH.value, sequence_length=_LENGTH.value,
                               training=_TRAINING.value, rules=mesh_lib.logical_rules(config.mesh))
   mode = "training" if _TRAINING.value else "inference"
-  print(f"{mode}: mesh {sizes}, global batch {_BATCH.value}, {_LENGTH.value} tokens per sequence")
+  weights = "" if cfg.quantize == "none" else f", {cfg.quantize} weights"
+  print(f"{mode}{weights}: mesh {sizes}, global batch {_BATCH.value}, {_LENGTH.value} tokens per sequence")
   print("| per device | GB |\n|---|---|")
   for name, value in plan.items():
     print(f"| {name} | {value / 1e9:.2f} |")

@@ -57,6 +57,8 @@ _SHOW_STEPS = flags.DEFINE_bool("show_steps", False, "Print the argmax canvas of
 _AR = flags.DEFINE_bool("autoregressive", False, "Also decode greedily token by token, for comparison.")
 _PRESET = flags.DEFINE_string("preset", "default", "With --hf_checkpoint alone: default, code or creative.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "With --hf_checkpoint: int8 attention, MLP "
+                               "and expert weights, quantised as they are read (docs/quantization.md).")
 _IMAGE = flags.DEFINE_multi_string("image", [], "An image file placed before every prompt (repeatable).")
 _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image: 70, 140, 280, 560 or 1120.")
 _INFILL = flags.DEFINE_string("infill", None, "Output text with [MASK] / [MASK:n] markers to fill.")
@@ -80,7 +82,8 @@ def _load():
   """(weights, tokenizer, sampler, AR sampler, max_new_tokens) from the flags."""
   config = _CONFIG.value
   if _HF.value:
-    loaded = build.pretrained(_HF.value, preset=_PRESET.value, dtype=_DTYPE.value)
+    loaded = build.pretrained(_HF.value, preset=_PRESET.value, dtype=_DTYPE.value,
+                              model_overrides={"quantize": _QUANTIZE.value})
     weights, cfg = loaded.weights, loaded.weights.model_config
     if config is None:
       sampler = loaded.sampler

@@ -41,6 +41,8 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "The model id clients send (default: the folder's name).")
 _PRESET = flags.DEFINE_string("preset", "default", "Sampler preset: default, code or creative.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
+_QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "With --hf_checkpoint: int8 attention, MLP "
+                               "and expert weights, quantised as they are read (docs/quantization.md).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Default reply length; 0: the checkpoint's, else 256.")
 _MAX_TOKENS_LIMIT = flags.DEFINE_integer("max_tokens_limit", 4096, "The most tokens a request may ask for.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Compiled batch sizes (the largest is the "
@@ -56,7 +58,8 @@ _WARM_UP = flags.DEFINE_integer("warm_up", 1, "Before serving, compile every bat
 def _model():
   """(sampler, variables, tokenizer, default reply length, empty-thought prefill, name) of the flags."""
   if _HF.value:
-    loaded = build.pretrained(_HF.value, preset=_PRESET.value, dtype=_DTYPE.value)
+    loaded = build.pretrained(_HF.value, preset=_PRESET.value, dtype=_DTYPE.value,
+                              model_overrides={"quantize": _QUANTIZE.value})
     return (loaded.sampler, loaded.weights.variables, loaded.tokenizer, loaded.max_new_tokens,
             chat_format.template_prefills_empty_thought(_HF.value), pathlib.Path(_HF.value).resolve().name)
   if _WORKDIR.value:

@@ -298,7 +298,7 @@ def test_report_measures_every_decoder_set_rule_and_checkpoint(tiny_runs, tmp_pa
   output = tmp_path / "sudoku.json"
   _run("-m", "projects.sudoku.report", f"--workdir={diffusion}", f"--ar_workdir={ar}", f"--output={output}",
        "--per_level=1", "--batch_size=4", "--batch_sizes=1,2", "--margins=0.9", "--confidences=0.9,0.99",
-       "--entropy_bounds=0.03,0.1", "--curve_every=2", f"--seed_workdirs={diffusion}")
+       "--entropy_bounds=0.03,0.1", "--curve_every=2")
   report = json.loads(output.read_text())
   for name in ("diffusion", "ar_model"):
     for key in ("36-40", "30-35", "symmetric 36-40", "36-40 batch 1"):
@@ -307,9 +307,26 @@ def test_report_measures_every_decoder_set_rule_and_checkpoint(tiny_runs, tmp_pa
   assert [r["batch_size"] for r in report["batch_sweep"]] == [1, 2]
   assert [r["acceptance"].split("(")[0] for r in report["acceptance"]] == [
       "Margin", "Confidence", "Confidence", "EntropyBound", "EntropyBound", "Confidence"]
-  assert [p["step"] for p in report["curve"]] == [2, 4] and report["seeds"][0]["workdir"] == str(diffusion)
+  assert [p["step"] for p in report["curve"]] == [2, 4]
   assert report["settings"]["config"]["data"]["task"] == "projects.sudoku.task"
   assert output.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_seeds_reports_each_run_on_every_set_and_the_spread(tiny_runs, tmp_path):
+  diffusion, ar = tiny_runs
+  output = tmp_path / "seeds.json"
+  out = _run("-m", "projects.sudoku.seeds", f"--workdirs={diffusion},{ar}", f"--output={output}", "--per_level=1",
+             "--batch_size=4")
+  report = json.loads(output.read_text())
+  assert [(r["workdir"], r["decoder"], r["step"]) for r in report["runs"]] == [(str(diffusion), "diffusion", 4),
+                                                                               (str(ar), "ar_model", 4)]
+  for name in ("36-40", "30-35", "symmetric 36-40"):
+    rates = [r[name]["solve_rate"] for r in report["runs"]]
+    assert report["spread"][name] == {"min": min(rates), "max": max(rates), "mean": sum(rates) / 2}
+  assert report["runs"][1]["36-40"]["passes_per_puzzle"] == 81  # the AR run decodes token by token
+  assert report["runs"][0]["36-40"]["passes_per_puzzle"] <= 24
+  assert out.stdout.strip().endswith(f"wrote {output}")
 
 
 @pytest.mark.slow

@@ -19,7 +19,8 @@ from diffusiongemma.sampling.config import SamplerConfig
 
 def base_config(**model) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
-  config.model = ml_collections.ConfigDict(model)
+  # quantize: 'int8' quantises a float checkpoint's matmul weights when it is loaded, for inference.
+  config.model = ml_collections.ConfigDict({"quantize": "none", **model})
 
   config.data = ml_collections.ConfigDict()
   config.data.corpus = "stdlib"  # 'stdlib', a folder of text files, or a .jsonl file

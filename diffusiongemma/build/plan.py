@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from diffusiongemma.model import DiffusionGemma, ModelConfig
 from diffusiongemma.model import moe
+from diffusiongemma.model import quantize
 from diffusiongemma.parallel import mesh as mesh_lib
 
 GiB = 2**30
@@ -46,9 +47,11 @@ def memory_plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_size: 
   canvas = jax.ShapeDtypeStruct((1, cfg.canvas_length), jnp.int32)
   boxed = jax.eval_shape(model.init, jax.random.key(0), tokens, canvas)["params"]
   specs = mesh_lib.param_specs(boxed, mesh_sizes, rules)
-  shapes = jax.tree.leaves(nn.unbox(boxed))
-  elements = sum(_shard_elements(s.shape, p, mesh_sizes)
-                 for s, p in zip(shapes, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P))))
+  leaves = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]
+  names = ["/".join(k.key for k in path) for path, _ in leaves]
+  shards = [_shard_elements(s.shape, p, mesh_sizes)
+            for (_, s), p in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P)))]
+  elements = sum(shards)
   batch_shards = math.prod(mesh_sizes[a] for a in mesh_lib.BATCH_AXES)
   b = -(-batch_size // batch_shards)
   tensor = mesh_sizes["tensor"]
@@ -59,8 +62,16 @@ def memory_plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_size: 
     plan["parameters"] = elements * f32
     plan["gradients"] = elements * f32
     plan["optimizer_state"] = 2 * elements * f32
-  else:
+  elif cfg.quantize == "none":
     plan["parameters"] = elements * jnp.dtype(param_dtype).itemsize
+  else:  # int8 weights and their float32 scales as stored; the rest in param_dtype
+    int8 = {"/".join(path) for path in quantize.scale_shapes(cfg)}
+    scales = {name + quantize.SCALE_SUFFIX for name in int8}
+    size = lambda name: 1 if name in int8 else 4 if name in scales else jnp.dtype(param_dtype).itemsize
+    plan["parameters"] = sum(n * size(name) for name, n in zip(names, shards))
+    # each weight is dequantised where it is used: the largest one, whole, in param_dtype
+    plan["dequantized_weight"] = max(n for name, n in zip(names, shards) if name in int8) * \
+        jnp.dtype(param_dtype).itemsize
   cache = sum(2 * b * sequence_length * k * h for k, h in map(cfg.layer_dims, range(cfg.num_layers)))
   plan["kv_cache"] = cache * jnp.dtype(cache_dtype).itemsize
 

@@ -174,6 +174,10 @@ def _check_batch(config) -> None:
 def train_task(config, workdir) -> training.Task:
   """`config` as a `training.Task` for `training.train(task, workdir)`: every section checked first."""
   model_cfg = models.model_config(config)
+  if model_cfg.quantize != "none":
+    raise ValueError(f"config.model.quantize={model_cfg.quantize!r} is for inference: int8 weights get no "
+                     "gradients. Train with quantize='none'; sample, serve or evaluate the checkpoint with "
+                     f"--config.model.quantize={model_cfg.quantize}.")
   loss_cfg = models.loss(config)
   task_kind(config)
   loop = LoopSettings.from_mapping(config.train)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import jax
 import ml_collections
 
 from diffusiongemma import convert
@@ -14,6 +15,7 @@ from diffusiongemma.build import models
 from diffusiongemma.build import tasks
 from diffusiongemma.chat import ChatSampler
 from diffusiongemma.data import hf_tokenizer
+from diffusiongemma.model import quantize as quantize_lib
 from diffusiongemma.sampling import presets
 from diffusiongemma.sampling.pretrained import Pretrained, Weights, load as pretrained  # noqa: F401 (re-exported)
 from diffusiongemma.training import checkpoint
@@ -21,16 +23,35 @@ from diffusiongemma.training import lora
 
 
 def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = False, seed: int = 0,
-         shardings=None) -> Weights:
+         shardings=None, quantize: str | None = None) -> Weights:
   """The weights to run: a transformers checkpoint folder if given, else the latest checkpoint of the
   training `workdir` (a LoRA run's adapters merged into its `config.train.init_from` weights), else (only
-  with `random_init`) a random initialisation of `config.model`."""
+  with `random_init`) a random initialisation of `config.model`.
+
+  quantize: 'int8' quantises the matmul weights as they are loaded (`model.quantize`); default
+  `config.model.quantize` ('none' without a config).
+  """
+  if quantize is None:
+    quantize = config.model.get("quantize", "none") if config is not None else "none"
   if hf_checkpoint:
-    cfg, params = convert.load_hf(hf_checkpoint, shardings=shardings)
+    cfg, params = convert.load_hf(hf_checkpoint, shardings=shardings, quantize=quantize)
     return Weights(cfg, {"params": params}, f"transformers checkpoint {hf_checkpoint}")
   if config is None:
     raise ValueError("A config is needed to load a workdir checkpoint or to initialise randomly.")
-  cfg = models.model_config(config)
+  cfg = models.model_config(config).replace(quantize=quantize)
+  if quantize == "none":
+    return _load_float(config, cfg, workdir, random_init, seed, shardings)
+  weights = _load_float(config, cfg.replace(quantize="none"), workdir, random_init, seed, None)
+  params = quantize_lib.quantize_params(weights.variables["params"], weights.model_config)
+  if shardings is not None:
+    target = shardings(cfg) if callable(shardings) else shardings
+    if isinstance(target, dict) and set(target) == {"params"}:
+      target = target["params"]
+    params = jax.device_put(params, target)
+  return Weights(cfg, {**weights.variables, "params": params}, f"{weights.source}, {quantize} weights")
+
+
+def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
   if workdir is not None and not random_init and checkpoint.latest_step(workdir) is not None:
     lora_cfg = tasks.lora_config(config)
     if lora_cfg is None:

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from diffusiongemma import parallel
+from diffusiongemma.model import quantize
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 from diffusiongemma.model.transformer import DiffusionGemma
 
@@ -244,7 +245,9 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   in the checkpoint's dtype plus its cast copy. `shardings`: a tree of `jax.sharding.Sharding`s shaped
   like the params (e.g. `dg.parallel.param_shardings`), or a callable `(cfg) -> tree` such as
   `mesh_shardings()` (every local device); without it the params are numpy arrays.
-  `config_overrides` (e.g. `moe_impl='dense'`) apply to the ModelConfig built from config.json.
+  `config_overrides` (e.g. `moe_impl='dense'`) apply to the ModelConfig built from config.json; with
+  `quantize='int8'` each attention, MLP and expert weight is quantised as it is read (`model.quantize`),
+  so the float model is never whole in memory either.
   """
   path = pathlib.Path(path)
   config_file = path / "config.json"
@@ -254,6 +257,7 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
   if callable(shardings):
     shardings = shardings(cfg)
+  scales = quantize.scale_shapes(cfg) if cfg.quantize == "int8" else {}
   ckpt = _Checkpoint(path)
   params: dict[str, Any] = {}
   halves: dict[tuple[str, ...], dict[str, np.ndarray]] = {}  # a GeGLU's gate and up, until both are read
@@ -274,9 +278,14 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
       if len(pair) < 2:
         continue
       value = np.stack([halves.pop(target)["0"], pair["1"]])
-    if shardings is not None:
-      value = _place(value, _get(shardings, target, leaf=True))
-    _set(params, target, value)
+    pieces = {target: value}
+    if target in scales:
+      scale_path = target[:-1] + (target[-1] + quantize.SCALE_SUFFIX,)
+      pieces[target], pieces[scale_path] = quantize.int8(value, scales[target])
+    for piece, value in pieces.items():
+      if shardings is not None:
+        value = _place(value, _get(shardings, piece, leaf=True))
+      _set(params, piece, value)
   skipped = sorted(k for k in ckpt.weight_map if k not in used)
   vision = [k for k in skipped if k.startswith(_SKIPPED_PREFIXES)]
   if vision:
@@ -329,6 +338,9 @@ _PLACEHOLDER_VISION = dict(model_type="gemma4_vision", hidden_size=16, num_hidde
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
   """The transformers config.json (a dict) of `cfg`; inverse of `config_from_hf` on the text fields."""
+  if cfg.quantize != "none":
+    raise ValueError(f"This model has quantize={cfg.quantize!r}: transformers' DiffusionGemma has no int8 "
+                     "weights. Export the float weights the int8 ones were made from.")
   for name, value, want in (("final_logit_softcap", cfg.final_logit_softcap, _HF_SOFTCAP),
                             ("full_k_eq_v", cfg.full_k_eq_v, True)):
     if value != want:

@@ -78,17 +78,19 @@ class Attention(nn.Module):
     self.kv_heads, self.head_dim = kv_heads, head_dim
     pdt = jnp.dtype(cfg.param_dtype)
     init = layers.fan_in_init([1])
-    self.q_einsum = layers.param(self, "q_einsum", init, (cfg.num_heads, cfg.hidden_size, head_dim), pdt,
-                                 ("q_heads", "embed", "head_dim"))
-    self.k_einsum = layers.param(self, "k_einsum", init, (kv_heads, cfg.hidden_size, head_dim), pdt,
-                                 ("kv_heads", "embed", "head_dim"))
+    weight = lambda name, init, shape, axes, contract: layers.weight(self, name, init, shape, pdt, axes,
+                                                                     contract=contract, quantize=cfg.quantize)
+    self.q_einsum = weight("q_einsum", init, (cfg.num_heads, cfg.hidden_size, head_dim),
+                           ("q_heads", "embed", "head_dim"), (1,))
+    self.k_einsum = weight("k_einsum", init, (kv_heads, cfg.hidden_size, head_dim),
+                           ("kv_heads", "embed", "head_dim"), (1,))
     self.shares_kv = self.is_full and cfg.full_k_eq_v
     if not self.shares_kv:
-      self.v_einsum = layers.param(self, "v_einsum", init, (kv_heads, cfg.hidden_size, head_dim), pdt,
-                                   ("kv_heads", "embed", "head_dim"))
-    self.attn_vec_einsum = layers.param(self, "attn_vec_einsum", layers.fan_in_init([0, 1]),
-                                        (cfg.num_heads, head_dim, cfg.hidden_size), pdt,
-                                        ("q_heads", "head_dim", "embed"))
+      self.v_einsum = weight("v_einsum", init, (kv_heads, cfg.hidden_size, head_dim),
+                             ("kv_heads", "embed", "head_dim"), (1,))
+    self.attn_vec_einsum = weight("attn_vec_einsum", layers.fan_in_init([0, 1]),
+                                  (cfg.num_heads, head_dim, cfg.hidden_size), ("q_heads", "head_dim", "embed"),
+                                  (0, 1))
     self._query_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt, axis_name="head_dim")
     self._key_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt, axis_name="head_dim")
     if self.is_full:

@@ -14,6 +14,7 @@ FULL = "full"
 MOE_IMPLEMENTATIONS = ("grouped", "ragged", "dense")
 MOE_AUTO = "auto"  # ModelConfig.moe_impl: chosen by the backend, see `default_moe_impl`
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")  # ModelConfig.quantize
 
 
 def _positive_ints(config, fields) -> None:
@@ -132,6 +133,10 @@ class ModelConfig:
   # the concrete choice, so hashing, `to_dict` and every result's settings record what ran.
   moe_impl: str = MOE_AUTO
   remat: bool = False  # rematerialise each layer in the backward pass
+  # Weight-only quantisation of the matmul weights (attention, MLP, experts) for inference: 'none' or 'int8'
+  # (int8 values and a float32 scale per output channel, dequantised where each weight is used;
+  # `model.quantize`). The embedding (also the LM head), norms and router stay in `param_dtype`.
+  quantize: str = "none"
   pad_id: int = 0
   eos_id: int = 1
   bos_id: int = 2
@@ -197,6 +202,8 @@ class ModelConfig:
     for field in ("dtype", "param_dtype"):
       if getattr(self, field) not in DTYPES:
         fail(field, f"must be one of {DTYPES}")
+    if self.quantize not in QUANTIZATIONS:
+      fail("quantize", f"must be one of {QUANTIZATIONS}")
     if self.moe_impl not in MOE_IMPLEMENTATIONS:
       fail("moe_impl", f"must be one of {MOE_IMPLEMENTATIONS + (MOE_AUTO,)}")
     if not isinstance(self.noise, str):

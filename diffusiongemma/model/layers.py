@@ -20,6 +20,20 @@ def param(module: nn.Module, name: str, init: Callable, shape: Sequence[int], dt
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 
+def weight(module: nn.Module, name: str, init: Callable, shape: Sequence[int], dtype, axes: Sequence[str], *,
+           contract: Sequence[int], quantize: str = "none") -> Array:
+  """A matmul weight whose `contract` axes are summed over in its einsum: a `param`, or with
+  `quantize="int8"` int8 values and a float32 scale per output channel (`{name}_scale`, size 1 along the
+  contracted axes; `model.quantize.int8`), dequantised to `dtype` here, where the weight is used."""
+  if quantize == "none":
+    return param(module, name, init, shape, dtype, axes)
+  values = param(module, name, nn.initializers.zeros, shape, jnp.int8, axes)
+  scale_shape = tuple(1 if i in contract else n for i, n in enumerate(shape))
+  scale_axes = tuple(None if i in contract else a for i, a in enumerate(axes))
+  scale = param(module, f"{name}_scale", nn.initializers.ones, scale_shape, jnp.float32, scale_axes)
+  return values.astype(dtype) * scale.astype(dtype)
+
+
 def fan_in_init(in_axes: Sequence[int]) -> Callable:
   """Normal initialiser with variance 1 / fan-in over `in_axes`."""
   return nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=tuple(in_axes),
@@ -127,13 +141,14 @@ class FeedForward(nn.Module):
   intermediate_size: int
   dtype: jnp.dtype
   param_dtype: jnp.dtype
+  quantize: str = "none"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    gating = param(self, "gating_einsum", fan_in_init([2]), (2, self.intermediate_size, self.hidden_size),
-                   self.param_dtype, (None, "mlp", "embed"))
-    linear = param(self, "linear", fan_in_init([0]), (self.intermediate_size, self.hidden_size),
-                   self.param_dtype, ("mlp", "embed"))
+    gating = weight(self, "gating_einsum", fan_in_init([2]), (2, self.intermediate_size, self.hidden_size),
+                    self.param_dtype, (None, "mlp", "embed"), contract=(2,), quantize=self.quantize)
+    linear = weight(self, "linear", fan_in_init([0]), (self.intermediate_size, self.hidden_size),
+                    self.param_dtype, ("mlp", "embed"), contract=(0,), quantize=self.quantize)
     gate_up = einsum("BLD,GFD->BLGF", x, gating, self.dtype)  # [B, L, 2, F]: one plain matmul on CPU
     h = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
     return einsum("BLF,FD->BLD", h, linear, self.dtype)

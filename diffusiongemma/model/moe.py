@@ -84,10 +84,10 @@ class Experts(nn.Module):
     cfg = self.config
     pdt = jnp.dtype(cfg.param_dtype)
     shape = (cfg.num_experts, 2, cfg.moe_intermediate_size, cfg.hidden_size)
-    gating = layers.param(self, "gating_einsum", layers.fan_in_init([3]), shape, pdt,
-                          ("experts", None, "expert_mlp", "embed"))
-    linear = layers.param(self, "linear", layers.fan_in_init([1]), shape[:1] + shape[2:], pdt,
-                          ("experts", "expert_mlp", "embed"))
+    gating = layers.weight(self, "gating_einsum", layers.fan_in_init([3]), shape, pdt,
+                           ("experts", None, "expert_mlp", "embed"), contract=(3,), quantize=cfg.quantize)
+    linear = layers.weight(self, "linear", layers.fan_in_init([1]), shape[:1] + shape[2:], pdt,
+                           ("experts", "expert_mlp", "embed"), contract=(1,), quantize=cfg.quantize)
     gating, linear = gating.astype(x.dtype), linear.astype(x.dtype)
     mesh = expert_parallel_mesh(cfg.num_experts)
     if mesh is not None:

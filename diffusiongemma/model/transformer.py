@@ -37,7 +37,7 @@ class Block(nn.Module):
     self.pre_attention_norm, self.post_attention_norm = norm(), norm()
     self.pre_ffw_norm, self.post_ffw_norm = norm(), norm()
     self.post_ffw1_norm, self.pre_ffw2_norm, self.post_ffw2_norm = norm(), norm(), norm()
-    self.mlp = layers.FeedForward(cfg.hidden_size, cfg.intermediate_size, dt, pdt)
+    self.mlp = layers.FeedForward(cfg.hidden_size, cfg.intermediate_size, dt, pdt, cfg.quantize)
     self.router = moe.Router(cfg)
     self.experts = moe.Experts(cfg)
     scalar = lambda name: layers.param(self, name, nn.initializers.ones, (), pdt, ())
@@ -76,7 +76,8 @@ class SelfConditioning(nn.Module):
     cfg = self.config
     pdt = jnp.dtype(cfg.param_dtype)
     pre_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=pdt, name="pre_norm")
-    mlp = layers.FeedForward(cfg.hidden_size, cfg.intermediate_size, jnp.dtype(cfg.dtype), pdt, name="mlp")
+    mlp = layers.FeedForward(cfg.hidden_size, cfg.intermediate_size, jnp.dtype(cfg.dtype), pdt, cfg.quantize,
+                              name="mlp")
     if signal is None and self.is_initializing():
       signal = jnp.zeros_like(x)
     if signal is not None:  # a zero signal adds exactly zero: skip the work

@@ -1,7 +1,6 @@
 r"""The Sudoku recipe measured, into one JSON (every setting it ran with) and one plot.
 
-  python -m projects.sudoku.report --workdir=W --ar_workdir=W_AR [--seed_workdirs=W1,W2] \
-      --output=results/sudoku.json
+  python -m projects.sudoku.report --workdir=W --ar_workdir=W_AR --output=results/sudoku.json
 
 Without --workdir / --ar_workdir the shipped weights are measured. Puzzles: `--per_level` held-out puzzles
 at each of 36-40 clues from the generator's validation stream (the headline set), at 30-35 clues, and at
@@ -11,8 +10,8 @@ when they were trained with an AR loss) the JSON holds `solve.SolveResult.summar
 `--batch_size` (solve rate, passes and tokens per forward, seconds per solved puzzle, puzzles/s), with
 the time per solved puzzle of AR over diffusion; `batch_sweep` the same at each of `--batch_sizes` (where
 AR overtakes, if it does); `acceptance` the diffusion model under each acceptance rule and threshold, and
-with the clues not held; `curve` the solve rate of every checkpoint against its training seconds; `seeds`
-the headline solve rate of each run of `--seed_workdirs`. Timings are meaningful on a quiet machine only:
+with the clues not held; `curve` the solve rate of every checkpoint against its training seconds (the
+spread over training seeds: `projects.sudoku.seeds`). Timings are meaningful on a quiet machine only:
 the JSON records the load average before and after and a matmul peak measured in the run.
 """
 
@@ -29,14 +28,12 @@ from benchmarks import measure
 from diffusiongemma import build
 from diffusiongemma import training
 from diffusiongemma.diffusion import acceptance
-from projects.sudoku import data as sudoku
-from projects.sudoku import other_generator
+from projects.sudoku import runs
 from projects.sudoku import solve
 from projects.sudoku import weights as shipped
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The block-diffusion run (default: the shipped weights).")
 _AR_WORKDIR = flags.DEFINE_string("ar_workdir", None, "The AR run (default: the shipped AR weights).")
-_SEEDS = flags.DEFINE_list("seed_workdirs", [], "More runs of the same recipe (other seeds): their solve rates.")
 _OUTPUT = flags.DEFINE_string("output", "results/sudoku.json", "The JSON to write (and .png beside).")
 _PER_LEVEL = flags.DEFINE_integer("per_level", 40, "Held-out puzzles per clue count.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per sampler call for the solve rates.")
@@ -49,55 +46,16 @@ _CURVE_EVERY = flags.DEFINE_integer("curve_every", 500, "Solve the checkpoints a
 _CURVE_PUZZLES = flags.DEFINE_integer("curve_puzzles", 100, "Puzzles of the 36-40 set each checkpoint solves.")
 _SEED = flags.DEFINE_integer("seed", 0, "Puzzle stream (validation split) and sampling seed.")
 
-_KEYS = ("solve_rate", "passes_per_puzzle", "tokens_per_forward", "seconds_per_solved", "puzzles_per_s",
-         "run_s", "compile_s")
-
-
-def _summary(result) -> dict:
-  s = result.summary()
-  return {k: (None if s[k] == float("inf") else s[k]) for k in _KEYS}
-
-
-def puzzle_sets(per_level: int, seed: int) -> dict[str, np.ndarray]:
-  """The held-out sets: 36-40 and 30-35 clues from the validation stream, 36-40 from the other generator."""
-  headline, _ = sudoku.generate_many(5 * per_level, (36, 37, 38, 39, 40), seed, "validation")
-  hard, _ = sudoku.generate_many(6 * per_level, (30, 31, 32, 33, 34, 35), seed, "validation", start=10**6)
-  other, _ = other_generator.generate_many(5 * per_level, (36, 37, 38, 39, 40), seed)
-  return {"36-40": headline, "30-35": hard, "symmetric 36-40": other}
-
-
-def _run(workdir, name):
-  """(config, variables, source) of a workdir's latest checkpoint, or of the shipped weights `name`."""
-  if workdir:
-    config = build.workdir_config(workdir)
-    if config is None:
-      raise app.UsageError(f"{workdir!r} holds no training run (no config.json).")
-    weights = build.load(config, workdir=workdir)
-    return config, weights.variables, weights.source
-  config, variables, provenance = shipped.load(name)
-  return config, variables, f"shipped {name} weights (step {provenance['step']})"
-
-
-def _train_seconds(workdir) -> dict[int, float]:
-  """Step -> `time/train_s` (compiling and evaluation excluded) from metrics.jsonl."""
-  out = {}
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  for line in path.read_text().splitlines() if path.is_file() else ():
-    row = json.loads(line)
-    if "time/train_s" in row:
-      out[int(row["step"])] = float(row["time/train_s"])
-  return out
-
 
 def _curve(workdir, sampler, puzzles, batch_size, seed, every) -> list[dict]:
-  seconds = _train_seconds(workdir)
+  seconds = runs.train_seconds(workdir)
   out = []
   saved = list(training.checkpoint.saved_steps(workdir))
   for step in [s for s in saved if s % every == 0 or s == saved[-1]]:  # and the last
     variables, _ = training.load_params(workdir, step=step)
     result = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
     known = [s for s in seconds if s <= step]
-    out.append({"step": step, "train_s": seconds[max(known)] if known else None, **_summary(result)})
+    out.append({"step": step, "train_s": seconds[max(known)] if known else None, **runs.summary(result)})
     logging.info("%s step %d: %s", workdir, step, out[-1])
   return out
 
@@ -109,8 +67,8 @@ def _decoders(diffusion, ar, sets, batch_size, seed) -> dict:
     row = {"settings": sampler.settings() if name == "diffusion" else {"stop_tokens": list(sampler.stop_tokens)}}
     for set_name, puzzles in sets.items():
       result = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed)
-      row[set_name] = {**_summary(result), "by_clues": solve.by_clues(puzzles, result)}
-    row["36-40 batch 1"] = _summary(solve.solve(sampler, variables, sets["36-40"], batch_size=1, seed=seed))
+      row[set_name] = {**runs.summary(result), "by_clues": solve.by_clues(puzzles, result)}
+    row["36-40 batch 1"] = runs.summary(solve.solve(sampler, variables, sets["36-40"], batch_size=1, seed=seed))
     out[name] = row
     logging.info("%s: %s", name, row["36-40"])
   d, a = out["diffusion"]["36-40 batch 1"], out["ar_model"]["36-40 batch 1"]
@@ -124,7 +82,7 @@ def _batch_sweep(diffusion, ar, puzzles, batch_sizes, seed) -> list[dict]:
   for b in batch_sizes:
     row = {"batch_size": b}
     for name, (sampler, variables) in {"diffusion": diffusion, "ar_model": ar}.items():
-      row[name] = _summary(solve.solve(sampler, variables, puzzles, batch_size=b, seed=seed))
+      row[name] = runs.summary(solve.solve(sampler, variables, puzzles, batch_size=b, seed=seed))
     rows.append(row)
     logging.info("batch %d: %s", b, row)
   return rows
@@ -137,9 +95,9 @@ def _acceptance(sampler, variables, puzzles, batch_size, seed) -> list[dict]:
   rows = []
   for rule in rules:
     result = solve.solve(sampler.replace(acceptance=rule), variables, puzzles, batch_size=batch_size, seed=seed)
-    rows.append({"acceptance": repr(rule), "hold_clues": True, **_summary(result)})
+    rows.append({"acceptance": repr(rule), "hold_clues": True, **runs.summary(result)})
   free = solve.solve(sampler, variables, puzzles, batch_size=batch_size, seed=seed, hold_clues=False)
-  rows.append({"acceptance": repr(sampler.acceptance), "hold_clues": False, **_summary(free)})
+  rows.append({"acceptance": repr(sampler.acceptance), "hold_clues": False, **runs.summary(free)})
   return rows
 
 
@@ -176,12 +134,12 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   training.quiet_orbax_logs()
   load_before = list(os.getloadavg())
-  config, variables, source = _run(_WORKDIR.value, shipped.DIFFUSION)
-  ar_config, ar_variables, ar_source = _run(_AR_WORKDIR.value, shipped.AUTOREGRESSIVE)
+  config, variables, source = runs.load(_WORKDIR.value, shipped.DIFFUSION)
+  ar_config, ar_variables, ar_source = runs.load(_AR_WORKDIR.value, shipped.AUTOREGRESSIVE)
   sampler = build.sampler(config)
   diffusion, ar = (sampler, variables), (build.ar_sampler(ar_config), ar_variables)
   batch, seed = _BATCH_SIZE.value, _SEED.value
-  sets = puzzle_sets(_PER_LEVEL.value, seed)
+  sets = runs.held_out_sets(_PER_LEVEL.value, seed)
   report = {
       "settings": {"weights": source, "ar_weights": ar_source, "seed": seed, "batch_size": batch,
                    "per_level": _PER_LEVEL.value, "curve_every": _CURVE_EVERY.value,
@@ -192,9 +150,6 @@ def main(argv):
       "acceptance": _acceptance(sampler, variables, sets["36-40"], batch, seed),
       "curve": (_curve(_WORKDIR.value, sampler, sets["36-40"][:_CURVE_PUZZLES.value], batch, seed, _CURVE_EVERY.value)
                 if _WORKDIR.value and _CURVE.value else []),
-      "seeds": [{"workdir": w, **_summary(solve.solve(sampler, build.load(build.workdir_config(w), workdir=w).variables,
-                                                     sets["36-40"], batch_size=batch, seed=seed))}
-                for w in _SEEDS.value],
   }
   report["machine"]["load_average_after"] = list(os.getloadavg())
   output = pathlib.Path(_OUTPUT.value)

@@ -1,0 +1,120 @@
+r"""float32 against bfloat16 and int8 weights on a trained model: the Sudoku solver's solve rate, the share
+of cells written as the float32 model writes them, the weights' bytes, and the time.
+
+  python -m benchmarks.precision --output=results/precision_sudoku.json
+
+Every variant solves the same held-out puzzles with the same sampling keys (the randomness is common to
+all, so a difference is the numerics'). Variants: `float32`; `bfloat16` (weights and compute);
+`int8` (int8 matmul weights, float32 compute); `int8 bfloat16`. The timed solves alternate between the
+variants, `--repeats` rounds, median reported; the JSON records the load average and a matmul peak.
+"""
+
+import json
+import os
+import pathlib
+import statistics
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from benchmarks import measure
+from diffusiongemma import build
+from diffusiongemma import training
+from diffusiongemma.model import quantize
+from projects.sudoku import runs as sudoku_runs
+from projects.sudoku import solve
+from projects.sudoku import weights as shipped
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "A Sudoku diffusion run (default: the shipped weights).")
+_OUTPUT = flags.DEFINE_string("output", "results/precision_sudoku.json", "The JSON to write.")
+_PER_LEVEL = flags.DEFINE_integer("per_level", 40, "Held-out puzzles per clue count (36-40 clues).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per sampler call.")
+_BATCH1_PUZZLES = flags.DEFINE_integer("batch1_puzzles", 40, "Puzzles solved one at a time for the batch-1 time.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds over all variants (alternating).")
+_SEED = flags.DEFINE_integer("seed", 0, "Puzzle stream and sampling seed.")
+
+VARIANTS = {  # name: (compute and parameter dtype, quantize)
+    "float32": ("float32", "none"),
+    "bfloat16": ("bfloat16", "none"),
+    "int8": ("float32", "int8"),
+    "int8 bfloat16": ("bfloat16", "int8"),
+}
+
+
+def variant(config: ml_collections.ConfigDict, params, dtype: str, quantize_name: str):
+  """(sampler, variables) of the float32 `params` of `config` in `dtype`, quantised or not."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  config.train.compute_dtype = dtype
+  config.model.param_dtype = dtype
+  float_cfg = build.model_config(config)
+  cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), params)
+  if quantize_name != "none":
+    cast = quantize.quantize_params(cast, float_cfg)
+  config.model.quantize = quantize_name
+  return build.sampler(config), {"params": cast}
+
+
+def _bytes(tree) -> int:
+  return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  training.quiet_orbax_logs()
+  load_before = list(os.getloadavg())
+  config, variables, source = sudoku_runs.load(_WORKDIR.value, shipped.DIFFUSION)
+  puzzles = sudoku_runs.held_out_sets(_PER_LEVEL.value, _SEED.value)["36-40"]
+  runs = {name: variant(config, variables["params"], dtype, q) for name, (dtype, q) in VARIANTS.items()}
+  solve_all = lambda name, batch, rows: solve.solve(*runs[name], rows, batch_size=batch, seed=_SEED.value)
+  results = {name: solve_all(name, _BATCH_SIZE.value, puzzles) for name in runs}
+  times = {name: {"batch": [], "batch_1": []} for name in runs}
+  for _ in range(_REPEATS.value):
+    for name in runs:
+      times[name]["batch"].append(solve_all(name, _BATCH_SIZE.value, puzzles).run_s)
+      times[name]["batch_1"].append(solve_all(name, 1, puzzles[:_BATCH1_PUZZLES.value]).run_s)
+  reference = results["float32"]
+  blanks = puzzles == 0
+  out = {}
+  for name, result in results.items():
+    same = result.solutions == reference.solutions
+    out[name] = {
+        "dtype": VARIANTS[name][0], "quantize": VARIANTS[name][1],
+        "solve_rate": float(result.solved.mean()), "passes_per_puzzle": float(result.passes.mean()),
+        "blank_cells_equal_to_float32": float(same[blanks].mean()),
+        "puzzles_equal_to_float32": float(same.all(axis=1).mean()),
+        "weight_bytes": _bytes(runs[name][1]),
+        "seconds_batch": statistics.median(times[name]["batch"]),
+        "seconds_batch_1_per_puzzle": statistics.median(times[name]["batch_1"]) / _BATCH1_PUZZLES.value,
+        "runs_s": times[name],
+    }
+  for name in out:
+    out[name]["speed_over_float32_batch"] = out["float32"]["seconds_batch"] / out[name]["seconds_batch"]
+    out[name]["speed_over_float32_batch_1"] = (out["float32"]["seconds_batch_1_per_puzzle"] /
+                                               out[name]["seconds_batch_1_per_puzzle"])
+  report = {
+      "settings": {"weights": source, "puzzles": len(puzzles), "clues": "36-40", "batch_size": _BATCH_SIZE.value,
+                   "batch1_puzzles": _BATCH1_PUZZLES.value, "repeats": _REPEATS.value, "seed": _SEED.value,
+                   "sampler": runs["float32"][0].settings()},
+      "machine": {"load_average_before": load_before, "matmul_peak_gflops": measure.matmul_peak_flops(1024) / 1e9,
+                  **measure.provenance(pathlib.Path(__file__).parent.parent)},
+      "variants": out,
+  }
+  report["machine"]["load_average_after"] = list(os.getloadavg())
+  output = pathlib.Path(_OUTPUT.value)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  output.write_text(json.dumps(report, indent=1, default=str))
+  for name, row in out.items():
+    print(f"{name:14s} solved {row['solve_rate']:.3f} | {row['passes_per_puzzle']:.1f} passes | blank cells as "
+          f"float32 {row['blank_cells_equal_to_float32']:.4f} | {row['weight_bytes'] / 1e6:.2f} MB | "
+          f"x{row['speed_over_float32_batch']:.2f} (batch {_BATCH_SIZE.value}), "
+          f"x{row['speed_over_float32_batch_1']:.2f} (batch 1)")
+  print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+  app.run(main)
