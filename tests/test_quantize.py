@@ -160,3 +160,15 @@ def test_plan_counts_int8_weights_at_a_byte_and_one_dequantised_weight():
   assert int8["parameters"] == expected < 0.6 * plain["parameters"]
   assert int8["dequantized_weight"] == 2 * max(flat[p].size for p in weights)
   assert int8["total"] == pytest.approx(sum(v for k, v in int8.items() if k != "total"))
+
+
+def test_a_released_style_checkpoint_chats_with_int8_weights(chat_checkpoint):
+  """The checkpoint path a user takes (`build.pretrained` / `ChatSampler.from_pretrained`, i.e. chat.py,
+  sample.py and serve.py with --quantize=int8): int8 weights in the sampler's model, and a reply."""
+  chat = dg.ChatSampler.from_pretrained(chat_checkpoint, dtype="float32", max_new_tokens=8,
+                                        model_overrides={"quantize": "int8"})
+  assert chat.sampler.model.config.quantize == "int8"
+  leaves = flax.traverse_util.flatten_dict(chat.variables["params"])
+  assert sum(v.dtype == jnp.int8 for v in leaves.values()) >= 4
+  reply = chat.send("What is 2+2?")
+  assert reply.tokens and isinstance(reply.text, str)
