@@ -48,7 +48,7 @@ def memory_plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_size: 
   boxed = jax.eval_shape(model.init, jax.random.key(0), tokens, canvas)["params"]
   specs = mesh_lib.param_specs(boxed, mesh_sizes, rules)
   leaves = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]
-  names = ["/".join(k.key for k in path) for path, _ in leaves]
+  paths = [tuple(k.key for k in path) for path, _ in leaves]
   shards = [_shard_elements(s.shape, p, mesh_sizes)
             for (_, s), p in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.P)))]
   elements = sum(shards)
@@ -65,12 +65,12 @@ def memory_plan(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_size: 
   elif cfg.quantize == "none":
     plan["parameters"] = elements * jnp.dtype(param_dtype).itemsize
   else:  # int8 weights and their float32 scales as stored; the rest in param_dtype
-    int8 = {"/".join(path) for path in quantize.scale_shapes(cfg)}
-    scales = {name + quantize.SCALE_SUFFIX for name in int8}
-    size = lambda name: 1 if name in int8 else 4 if name in scales else jnp.dtype(param_dtype).itemsize
-    plan["parameters"] = sum(n * size(name) for name, n in zip(names, shards))
+    int8 = {path for path, (_, s) in zip(paths, leaves) if s.dtype == jnp.int8}
+    scales = {quantize.scale_path(path) for path in int8}
+    size = lambda path: 1 if path in int8 else 4 if path in scales else jnp.dtype(param_dtype).itemsize
+    plan["parameters"] = sum(n * size(path) for path, n in zip(paths, shards))
     # each weight is dequantised where it is used: the largest one, whole, in param_dtype
-    plan["dequantized_weight"] = max(n for name, n in zip(names, shards) if name in int8) * \
+    plan["dequantized_weight"] = max(n for path, n in zip(paths, shards) if path in int8) * \
         jnp.dtype(param_dtype).itemsize
   cache = sum(2 * b * sequence_length * k * h for k, h in map(cfg.layer_dims, range(cfg.num_layers)))
   plan["kv_cache"] = cache * jnp.dtype(cache_dtype).itemsize

@@ -280,8 +280,7 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
       value = np.stack([halves.pop(target)["0"], pair["1"]])
     pieces = {target: value}
     if target in scales:
-      scale_path = target[:-1] + (target[-1] + quantize.SCALE_SUFFIX,)
-      pieces[target], pieces[scale_path] = quantize.int8(value, scales[target])
+      pieces[target], pieces[quantize.scale_path(target)] = quantize.int8(value, scales[target])
     for piece, value in pieces.items():
       if shardings is not None:
         value = _place(value, _get(shardings, piece, leaf=True))

@@ -34,9 +34,12 @@ def scale_shapes(config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
   """Path of every quantised weight of `config` (with quantize='int8') -> the shape of its scale."""
   config = config.replace(quantize="int8")
   flat = flax.traverse_util.flatten_dict(abstract_params(config))
-  return {path[:-1] + (path[-1][:-len(SCALE_SUFFIX)],): leaf.shape for path, leaf in flat.items()
-          if path[-1].endswith(SCALE_SUFFIX) and flat.get(path[:-1] + (path[-1][:-len(SCALE_SUFFIX)],),
-                                                          leaf).dtype == jnp.int8}
+  return {path: flat[scale_path(path)].shape for path, leaf in flat.items() if leaf.dtype == jnp.int8}
+
+
+def scale_path(path: tuple[str, ...]) -> tuple[str, ...]:
+  """Where the scale of the int8 weight at `path` lives."""
+  return path[:-1] + (path[-1] + SCALE_SUFFIX,)
 
 
 def quantize_params(params: Mapping[str, Any], config: ModelConfig) -> dict[str, Any]:
@@ -50,5 +53,5 @@ def quantize_params(params: Mapping[str, Any], config: ModelConfig) -> dict[str,
       raise KeyError(f"The params have no weight {'/'.join(path)}, which a model of this config has.")
     if flat[path].dtype == jnp.int8:
       raise ValueError(f"{'/'.join(path)} is already int8: these params are quantised.")
-    out[path], out[path[:-1] + (path[-1] + SCALE_SUFFIX,)] = int8(flat[path], scale_shape)
+    out[path], out[scale_path(path)] = int8(flat[path], scale_shape)
   return flax.traverse_util.unflatten_dict(out)
