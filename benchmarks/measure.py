@@ -225,8 +225,10 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   """Seconds of the parts of one denoising step of `sampler` at this batch, each jitted alone on the
   state after a first step (so that self-conditioning is on): `denoiser` the pass from canvas to final
   hidden states; `head` the vocabulary head (LM head, soft embedding, statistics, streamed);
-  `step` the whole `steps.denoise_step` (those, the draw, acceptance, re-noising, stopping). Also the bare
-  LM head (logits and softcap, no statistics) for comparison, and XLA's FLOPs of denoiser + head."""
+  `step` the whole `steps.denoise_step` (those, the draw, acceptance, re-noising, stopping). Also, for
+  comparison, the bare LM head (logits and softcap, no statistics) and the head's two matmuls bare (those
+  logits, then weighted by themselves into embedding rows: the soft embedding's matmul), and XLA's FLOPs
+  of denoiser + head."""
   from diffusiongemma.sampling import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from diffusiongemma.sampling import steps, vocab  # pylint: disable=g-import-not-at-top
   model, rules = sampler.model, sampler.rules
@@ -247,11 +249,13 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   hidden = body(variables, cache, state)
   head = jax.jit(lambda v, h: sampler.head(model.apply(v, method=model.embedding_table), h, temperature,
                                            uniforms))
-  bare = jax.jit(lambda v, h: layers.head_logits(h, model.apply(v, method=model.embedding_table),
-                                                 jnp.dtype(cfg.dtype), cfg.final_logit_softcap))
+  table = lambda v: model.apply(v, method=model.embedding_table)
+  logits = lambda v, h: layers.head_logits(h, table(v), jnp.dtype(cfg.dtype), cfg.final_logit_softcap)
+  bare = jax.jit(logits)
+  pair = jax.jit(lambda v, h: layers.weighted_rows(logits(v, h), table(v)))  # both matmuls, no statistics
   out = {}
   for name, fn, args in (("denoiser", body, (variables, cache, state)), ("head", head, (variables, hidden)),
-                         ("bare_lm_head", bare, (variables, hidden)),
+                         ("bare_lm_head", bare, (variables, hidden)), ("bare_head_matmuls", pair, (variables, hidden)),
                          ("step", step, (variables, cache, state))):
     out[f"{name}_seconds"] = time_call(fn, *args, repeats=repeats).best
   out["xla_flops"] = cost(body, variables, cache, state)["flops"] + cost(head, variables, hidden)["flops"]

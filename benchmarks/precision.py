@@ -2,6 +2,12 @@ r"""float32 against bfloat16 and int8 weights on a trained model: the Sudoku sol
 of cells written as the float32 model writes them, the weights' bytes, and the time.
 
   python -m benchmarks.precision --output=results/precision_sudoku.json
+  python -m benchmarks.precision --text_workdir=W --output=results/precision_text.json   # a text run
+
+With `--text_workdir` (a training run of text, e.g. configs/small.py) the model continues validation
+prompts instead (`build.generative_eval`'s), float32 against bfloat16 only: the share of new tokens written
+as float32 writes them (same prompts, same sampling keys), of the first denoising step's argmax canvas,
+and the time at `--batch_size` and batch 1.
 
 Every variant solves the same held-out puzzles with the same sampling keys (the randomness is common to
 all, so a difference is the numerics'). Variants: `float32`; `bfloat16` (weights and compute);
@@ -36,6 +42,8 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per sampler call."
 _BATCH1_PUZZLES = flags.DEFINE_integer("batch1_puzzles", 40, "Puzzles solved one at a time for the batch-1 time.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds over all variants (alternating).")
 _SEED = flags.DEFINE_integer("seed", 0, "Puzzle stream and sampling seed.")
+_TEXT_WORKDIR = flags.DEFINE_string("text_workdir", None, "A text training run: measure it instead.")
+_TEXT_SAMPLES = flags.DEFINE_integer("text_samples", 32, "Validation prompts continued (--text_workdir).")
 
 VARIANTS = {  # name: (compute and parameter dtype, quantize)
     "float32": ("float32", "none"),
@@ -62,11 +70,64 @@ def _bytes(tree) -> int:
   return int(sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree)))
 
 
+def _text(workdir: str) -> dict:
+  """float32 against bfloat16 on a text run: tokens written alike, first-step argmax, and time."""
+  config = build.workdir_config(workdir)
+  if config is None:
+    raise app.UsageError(f"--text_workdir={workdir!r} has no config.json: not a training run's folder.")
+  evaluation = build.generative_eval(config, workdir, num_samples=_TEXT_SAMPLES.value,
+                                     batch_size=_BATCH_SIZE.value, seed=_SEED.value)
+  params, prompts = evaluation.variables["params"], evaluation.prompts
+  batch, new_tokens = min(_BATCH_SIZE.value, len(prompts)), evaluation.max_new_tokens
+  runs = {name: variant(config, params, name, "none") for name in ("float32", "bfloat16")}
+  rows = {name: [] for name in runs}
+  first_argmax = {}
+  for name, (sampler, variables) in runs.items():
+    for i, start in enumerate(range(0, len(prompts), batch)):
+      out = sampler.generate(variables, prompts[start:start + batch], jax.random.key(_SEED.value + i),
+                             new_tokens, return_trace=True)
+      rows[name].append(np.asarray(out.tokens))
+      first_argmax.setdefault(name, []).append(np.asarray(out.trace.argmax)[0, 0])
+  tokens = {name: np.concatenate(r) for name, r in rows.items()}
+  argmax = {name: np.concatenate(r) for name, r in first_argmax.items()}
+  times = {name: {"batch": [], "batch_1": []} for name in runs}
+  call = lambda name, rows_: runs[name][0].generate(runs[name][1], rows_, jax.random.key(_SEED.value), new_tokens)
+  for name in runs:  # compile both shapes first
+    jax.block_until_ready(call(name, prompts[:batch]).tokens), jax.block_until_ready(call(name, prompts[:1]).tokens)
+  for _ in range(_REPEATS.value):
+    for name in runs:
+      times[name]["batch"].append(measure.time_call(lambda: call(name, prompts[:batch]).tokens).runs[0])
+      times[name]["batch_1"].append(measure.time_call(lambda: call(name, prompts[:1]).tokens).runs[0])
+  median = lambda name, key: statistics.median(times[name][key])
+  return {
+      "settings": {"workdir": workdir, "weights": evaluation.source, "prompts": int(len(prompts)),
+                   "prompt_length": int(prompts.shape[1]), "max_new_tokens": new_tokens, "batch_size": batch,
+                   "repeats": _REPEATS.value, "seed": _SEED.value, "sampler": runs["float32"][0].settings()},
+      "new_tokens_equal_to_float32": float((tokens["bfloat16"] == tokens["float32"]).mean()),
+      "rows_equal_to_float32": float((tokens["bfloat16"] == tokens["float32"]).all(axis=1).mean()),
+      "first_step_argmax_equal": float((argmax["bfloat16"] == argmax["float32"]).mean()),
+      "seconds_batch": {name: median(name, "batch") for name in runs},
+      "seconds_batch_1": {name: median(name, "batch_1") for name in runs},
+      "speed_over_float32_batch": median("float32", "batch") / median("bfloat16", "batch"),
+      "speed_over_float32_batch_1": median("float32", "batch_1") / median("bfloat16", "batch_1"),
+      "runs_s": times,
+  }
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   training.quiet_orbax_logs()
   load_before = list(os.getloadavg())
+  if _TEXT_WORKDIR.value:
+    report = _text(_TEXT_WORKDIR.value)
+    report["machine"] = {"load_average_before": load_before,
+                         "matmul_peak_gflops": measure.matmul_peak_flops(1024) / 1e9,
+                         **measure.provenance(pathlib.Path(__file__).parent.parent),
+                         "load_average_after": list(os.getloadavg())}
+    _write(report)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("settings", "machine", "runs_s")}, indent=1))
+    return
   config, variables, source = sudoku_runs.load(_WORKDIR.value, shipped.DIFFUSION)
   puzzles = sudoku_runs.held_out_sets(_PER_LEVEL.value, _SEED.value)["36-40"]
   runs = {name: variant(config, variables["params"], dtype, q) for name, (dtype, q) in VARIANTS.items()}
@@ -105,15 +166,20 @@ def main(argv):
       "variants": out,
   }
   report["machine"]["load_average_after"] = list(os.getloadavg())
-  output = pathlib.Path(_OUTPUT.value)
-  output.parent.mkdir(parents=True, exist_ok=True)
-  output.write_text(json.dumps(report, indent=1, default=str))
+  output = _write(report)
   for name, row in out.items():
     print(f"{name:14s} solved {row['solve_rate']:.3f} | {row['passes_per_puzzle']:.1f} passes | blank cells as "
           f"float32 {row['blank_cells_equal_to_float32']:.4f} | {row['weight_bytes'] / 1e6:.2f} MB | "
           f"x{row['speed_over_float32_batch']:.2f} (batch {_BATCH_SIZE.value}), "
           f"x{row['speed_over_float32_batch_1']:.2f} (batch 1)")
   print(f"wrote {output}")
+
+
+def _write(report: dict) -> pathlib.Path:
+  output = pathlib.Path(_OUTPUT.value)
+  output.parent.mkdir(parents=True, exist_ok=True)
+  output.write_text(json.dumps(report, indent=1, default=str))
+  return output
 
 
 if __name__ == "__main__":

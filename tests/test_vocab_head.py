@@ -169,8 +169,10 @@ def test_auto_chunks_follow_the_memory_budget():
   assert released.chunk_for(8 * 256) == 32_768
   assert dataclasses.replace(released, budget_mib=2048).chunk_for(8 * 256) is None
   assert dataclasses.replace(released, chunk_size=1024).chunk_for(1 * 256) == 1024  # a number is kept
-  capped = dataclasses.replace(released, auto_max_chunk=1024)  # what a CPU gets
-  assert capped.chunk_for(1 * 256) == capped.chunk_for(8 * 256) == 1024
+  capped = dataclasses.replace(released, auto_block_mib=8)  # what a CPU gets: [B, C, U] blocks of <= 8 MiB
+  assert capped.chunk_for(1 * 256) == 8192 and capped.chunk_for(8 * 256) == 1024
+  assert dataclasses.replace(capped, vocab_size=8192).chunk_for(256) is None  # 8 MiB: one chunk
+  assert dataclasses.replace(capped, budget_mib=2).chunk_for(256) == 2048  # the smaller of the two
   for vocab_size, positions, budget_mib in ((262_144, 32 * 256, 256), (100_003, 3 * 256, 50), (5000, 1, 0.01),
                                             (1000, 10, 0.001)):
     head = vocab.VocabHead(vocab_size=vocab_size, softcap=None, dtype="float32", chunk_size="auto",
@@ -187,16 +189,16 @@ def test_auto_chunks_follow_the_memory_budget():
 
 
 def test_auto_cap_is_chosen_by_the_backend_when_the_head_is_built(monkeypatch):
-  """"auto" keeps 1024-token chunks on a CPU (faster there) and only the budget's on GPU/TPU; the backend is
-  asked once, by `for_model` (faked here: no GPU needed); a number or None is never capped."""
+  """"auto" keeps [B, C, U] blocks within 8 MiB on a CPU (faster there) and only the budget's on GPU/TPU;
+  the backend is asked once, by `for_model` (faked here: no GPU needed); a number or None is never capped."""
   config = dg.ModelConfig(vocab_size=262_144, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
                           head_dim=8, num_full_kv_heads=1, full_head_dim=8, moe_impl="dense")
-  for backend, cap, batch_1 in (("cpu", 1024, 1024), ("gpu", None, None), ("tpu", None, None)):
+  for backend, cap, batch_1 in (("cpu", 8, 8192), ("gpu", None, None), ("tpu", None, None)):
     monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
     head = vocab.VocabHead.for_model(config, chunk_size="auto")
-    assert head.auto_max_chunk == cap and head.chunk_for(256) == batch_1
+    assert head.auto_block_mib == cap and head.chunk_for(256) == batch_1
     assert head.chunk_for(8 * 256) == (1024 if cap else 32_768)
-    assert vocab.VocabHead.for_model(config, chunk_size=None).auto_max_chunk is None
+    assert vocab.VocabHead.for_model(config, chunk_size=None).auto_block_mib is None
   assert vocab.VocabHead.for_model(config.replace(vocab_size=1000), chunk_size="auto").chunk_for(256) is None
 
 

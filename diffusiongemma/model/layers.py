@@ -149,7 +149,10 @@ class FeedForward(nn.Module):
                     self.param_dtype, (None, "mlp", "embed"), contract=(2,), quantize=self.quantize)
     linear = weight(self, "linear", fan_in_init([0]), (self.intermediate_size, self.hidden_size),
                     self.param_dtype, ("mlp", "embed"), contract=(0,), quantize=self.quantize)
-    gate_up = einsum("BLD,GFD->BLGF", x, gating, self.dtype)  # [B, L, 2, F]: one plain matmul on CPU
+    # [B, L, 2F] against the weights seen as [2F, D] (a free reshape): one plain matmul. With [2, F, D] in
+    # the equation, XLA's CPU dot copied the weights transposed at every call.
+    gate_up = einsum("BLD,GD->BLG", x, gating.reshape(-1, gating.shape[-1]), self.dtype)
+    gate_up = gate_up.reshape(*gate_up.shape[:-1], 2, self.intermediate_size)  # [B, L, 2, F]
     h = jax.nn.gelu(gate_up[..., 0, :], approximate=True) * gate_up[..., 1, :]
     return einsum("BLF,FD->BLD", h, linear, self.dtype)
 

@@ -4,10 +4,11 @@ Axes: T tokens, D model, E experts, k chosen experts per token, F expert feed-fo
 
 Three interchangeable implementations of the same function (`ModelConfig.moe_impl`; its default "auto" is
 `ragged` on GPU/TPU and `grouped` on CPU, `config.default_moe_impl`):
-- `grouped`: sort the T*k (token, expert) assignments by expert, pad each expert's group up
-  to a multiple of a tile of X rows, and run each tile in use through its expert (a `lax.scan` over
-  tiles). No token is dropped, and the work is at most (T*k + E*X) rows instead of T*E, so the cost stays
-  flat as E grows at fixed k. This is what is truly sparse on CPU.
+- `grouped`: sort the T*k (token, expert) assignments by expert; each expert's first S assignments (a
+  slab of ~1.25x the mean group) go through one batched matmul pair over all experts, and a busy expert's
+  overflow through tiles of X rows (a `lax.scan` over the tiles in use). No token is dropped, and the work
+  is at most (T*k + E*S + E*X) rows instead of T*E, so the cost stays flat as E grows at fixed k. This is
+  what is truly sparse on CPU.
 - `ragged`: the sorted assignments through `jax.lax.ragged_dot` (real kernels on GPU/TPU; on CPU it
   computes every expert: see docs/moe.md).
 - `dense`: every expert on every token, weighted by the (mostly zero) routing weights. The reference.
@@ -134,17 +135,22 @@ def _ragged(x, weights, experts, gating, linear):
   return _combine(out, order, weights, num_tokens).astype(x.dtype)
 
 
-def _tile_layout(sorted_experts: Array, sizes: Array, tile: int, num_tiles: int):
-  """Each expert's group padded to whole tiles: (padded row of each sorted assignment, past the end for
-  ids >= E; the expert of each tile, any valid one for the empty tiles after the last; tiles in use)."""
+def _group_ranks(sorted_experts: Array, sizes: Array) -> Array:
+  """Each sorted assignment's place within its expert's group (ids >= E: meaningless, masked by callers)."""
+  group_start = jnp.cumsum(sizes) - sizes  # [E] first sorted assignment of each expert
+  return jnp.arange(sorted_experts.shape[0]) - group_start[jnp.minimum(sorted_experts, sizes.shape[0] - 1)]
+
+
+def _tile_layout(experts: Array, rank: Array, sizes: Array, tile: int, num_tiles: int):
+  """Groups of `sizes` [E] assignments padded to whole tiles: (the padded row of each assignment, given its
+  expert [A] (ids >= E: none, past the end) and its rank in the group [A]; the expert of each tile, any
+  valid one for the empty tiles after the last; tiles in use)."""
   num_experts = sizes.shape[0]
-  expert = jnp.minimum(sorted_experts, num_experts - 1)
+  expert = jnp.minimum(experts, num_experts - 1)
   tiles_per_expert = -(-sizes // tile)
   tile_end = jnp.cumsum(tiles_per_expert)  # [E] first tile after each expert's tiles
   padded_start = (tile_end - tiles_per_expert) * tile  # [E] first padded row of each expert
-  group_start = jnp.cumsum(sizes) - sizes  # [E] first sorted assignment of each expert
-  rank = jnp.arange(sorted_experts.shape[0]) - group_start[expert]
-  dest = jnp.where(sorted_experts < num_experts, padded_start[expert] + rank, num_tiles * tile)
+  dest = jnp.where(experts < num_experts, padded_start[expert] + rank, num_tiles * tile)
   tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"),
                             num_experts - 1)
   return dest, tile_expert, tile_end[-1]
@@ -156,13 +162,12 @@ def _tile_ffn(tiles: Array, tile_expert: Array, gating: Array, linear: Array) ->
   return jnp.einsum("nXF,nFD->nXD", h, linear[tile_expert])
 
 
-def loop_tile_size(num_tokens: int, top_k: int, num_experts: int) -> int:
-  """Rows per tile of `_grouped`: half the mean group size, a multiple of 8 in [32, 128]. Each expert's
-  group is padded to whole tiles, so smaller tiles waste fewer rows; each tile is one matmul, so larger
-  ones run closer to the machine's peak. Measured on 2 CPU cores, D=256, F=256, 16 experts top-2: 32 rows
-  at 256 tokens, 128 at 2048 were the fastest of 32, 64, 128, 256."""
-  half = -(-num_tokens * top_k // (2 * num_experts))
-  return min(128, max(32, -(-half // _TILE_MULTIPLE) * _TILE_MULTIPLE))
+def slab_capacity(num_tokens: int, top_k: int, num_experts: int) -> int:
+  """Rows per expert in `_grouped`'s batched slab: 1.25x the mean group size, a multiple of 8. Measured on
+  one CPU core, D=F=256, 16 experts top-2 (CPU time): against 1x and 1.5x the mean, the least at 256 and
+  512 tokens and within noise of the best at 2048."""
+  mean = -(-num_tokens * top_k // num_experts)
+  return max(_TILE_MULTIPLE, -(-(5 * mean // 4) // _TILE_MULTIPLE) * _TILE_MULTIPLE)
 
 
 def _gathered(x, weights, experts, gating, linear):
@@ -179,25 +184,43 @@ def _gathered(x, weights, experts, gating, linear):
 
 
 def _grouped(x, weights, experts, gating, linear, skip=None):
-  """Tiles of X rows, each within one expert's sorted group, one matmul pair per tile in a `lax.scan`
-  (tiles past the last one in use are skipped by `lax.cond`). A batched einsum over all tiles, with each
-  tile's copy of its expert's weights, ran 4-6x slower on CPU (XLA's batched dot) and computed the unused
-  tiles too. At most E assignments (T*k <= E, e.g. an autoregressive step): `_gathered`, no tiles."""
+  """Each expert's first S assignments (S = `slab_capacity`, ~1.25x the mean group) in one batched matmul
+  pair over all experts, [E, S, D] against the weights as they are; the assignments past S (a busy
+  expert's overflow) in tiles of X rows, one matmul pair per tile in a `lax.scan` (tiles past the last one
+  in use skipped by `lax.cond`). Nothing is dropped, and every assignment is computed once. Why and the
+  measurements: docs/moe.md. At most E assignments (T*k <= E, e.g. an autoregressive step): `_gathered`."""
   num_tokens, top_k = experts.shape
   num_experts, _, ffn, dim = gating.shape
   if num_tokens * top_k <= num_experts:
     return _gathered(x, weights if skip is None else jnp.where(skip[:, None], 0.0, weights), experts,
                      gating, linear)
-  tile = loop_tile_size(num_tokens, top_k, num_experts)
-  if skip is not None:  # expert id E: sorted last, in no group, out of every tile
+  if skip is not None:  # expert id E: sorted last, in no group, in neither the slab nor a tile
     experts = jnp.where(skip[:, None], num_experts, experts)
-  # sum ceil(n_e / X) <= T*k / X + E tiles in all.
-  num_tiles = -(-num_tokens * top_k // tile) + num_experts
+  capacity = slab_capacity(num_tokens, top_k, num_experts)
   order, sorted_experts, sizes = _sort_assignments(experts, num_experts)
-  dest, tile_expert, used = _tile_layout(sorted_experts, sizes, tile, num_tiles)
-  row_token = jnp.full((num_tiles * tile,), num_tokens, jnp.int32).at[dest].set(order // top_k)
-  tiles = jnp.take(x, row_token, axis=0, mode="fill", fill_value=0).reshape(num_tiles, tile, dim)
+  rank = _group_ranks(sorted_experts, sizes)
+  token = order // top_k  # [A] the token of each sorted assignment
   gate_up, linear = jnp.asarray(gating).reshape(num_experts, 2 * ffn, dim), jnp.asarray(linear)
+
+  in_slab = (sorted_experts < num_experts) & (rank < capacity)
+  slab_row = jnp.where(in_slab, sorted_experts * capacity + rank, num_experts * capacity)
+  rows_token = jnp.full((num_experts * capacity,), num_tokens, jnp.int32).at[slab_row].set(token, mode="drop")
+  slab = jnp.take(x, rows_token, axis=0, mode="fill", fill_value=0).reshape(num_experts, capacity, dim)
+  # The barriers keep XLA's CPU fusions apart (the gather out of the first matmul, the GeGLU out of the
+  # second): slightly faster (docs/moe.md).
+  slab = jax.lax.optimization_barrier(slab)
+  h = layers.einsum("EXD,EGD->EXG", slab, gate_up, x.dtype).reshape(num_experts, capacity, 2, ffn)
+  h = jax.lax.optimization_barrier(_geglu(h))
+  out = layers.einsum("EXF,EFD->EXD", h, linear, x.dtype).reshape(num_experts * capacity, dim)
+  rows = jnp.take(out, slab_row, axis=0, mode="fill", fill_value=0)  # [A, D] sorted; 0 past the slab
+
+  tile = max(_TILE_MULTIPLE, capacity // 4 // _TILE_MULTIPLE * _TILE_MULTIPLE)
+  num_tiles = -(-num_tokens * top_k // tile) + num_experts  # sum ceil(n_e / X) <= A / X + E
+  overflow = jnp.where(in_slab, num_experts, sorted_experts)
+  dest, tile_expert, used = _tile_layout(overflow, rank - capacity, jnp.maximum(sizes - capacity, 0), tile,
+                                         num_tiles)
+  tile_token = jnp.full((num_tiles * tile,), num_tokens, jnp.int32).at[dest].set(token, mode="drop")
+  tiles = jnp.take(x, tile_token, axis=0, mode="fill", fill_value=0).reshape(num_tiles, tile, dim)
 
   def run(rows, expert):  # [X, D] through one expert
     h = layers.einsum("XD,GD->XG", rows, gate_up[expert], rows.dtype).reshape(tile, 2, ffn)
@@ -208,7 +231,7 @@ def _grouped(x, weights, experts, gating, linear, skip=None):
     return None, jax.lax.cond(index < used, run, lambda rows, expert: jnp.zeros_like(rows), rows, expert)
 
   _, out = jax.lax.scan(body, None, (jnp.arange(num_tiles), tiles, tile_expert))  # [tiles, X, D]
-  rows = jnp.take(out.reshape(num_tiles * tile, dim), dest, axis=0, mode="fill", fill_value=0)  # skipped: 0
+  rows += jnp.take(out.reshape(num_tiles * tile, dim), dest, axis=0, mode="fill", fill_value=0)
   return _combine(rows, order, weights, num_tokens).astype(x.dtype)
 
 
@@ -325,7 +348,8 @@ def _local_grouped(x, weights, experts, gating, linear, tokens):
   num_chunks = -(-worst_tiles // chunk)
   num_tiles = num_chunks * chunk
   order, sorted_experts, sizes = _local_assignments(experts, num_local)
-  dest, tile_expert, used_tiles = _tile_layout(sorted_experts, sizes, tile, num_tiles)
+  dest, tile_expert, used_tiles = _tile_layout(sorted_experts, _group_ranks(sorted_experts, sizes), sizes,
+                                                 tile, num_tiles)
   # Per padded row: its token (num_rows for padding, read as zeros) and routing weight (0 for padding).
   row_token = jnp.full((num_tiles * tile,), num_rows, jnp.int32).at[dest].set(order // top_k, mode="drop")
   row_weight = jnp.zeros((num_tiles * tile,), jnp.float32).at[dest].set(weights.reshape(-1)[order],

@@ -218,7 +218,7 @@ class Sampler:
     return {**dataclasses.asdict(self.config), "stop_tokens": list(self.stop_tokens),
             "noise": self.noise.name, "never_token": self.noise.never_token,
             "acceptance_rule": repr(self.acceptance), "stopping_rule": repr(self.stopping),
-            "schedule": repr(self.schedule), "vocab_auto_max_chunk": self.head.auto_max_chunk,
+            "schedule": repr(self.schedule), "vocab_auto_block_mib": self.head.auto_block_mib,
             "dtype": self.model.config.dtype, "moe_impl": self.model.config.moe_impl}
 
   # ---------------------------------------------------------------------------------------- inputs

@@ -28,7 +28,7 @@ Array = jax.Array
 Restrict = Callable[[Array, Array], Array]
 AUTO = "auto"  # a chunk size chosen from the memory budget
 DEFAULT_BUDGET_MIB = 256  # of one float32 [B, C, U] array of the head (U = V: one chunk)
-CPU_MAX_CHUNK = 1024  # "auto" on a CPU: tokens per chunk at most
+CPU_BLOCK_MIB = 8  # "auto" on a CPU: MiB of one float32 [B, C, U] block at most (the caches)
 _CHUNK_MULTIPLE = 128
 
 
@@ -59,11 +59,11 @@ class _Running:
                     second=second)
 
 
-def default_auto_max_chunk(backend: str | None = None) -> int | None:
-  """The cap on "auto" chunks on `backend` (default: jax's): none where whole-vocabulary matmuls pay (GPU,
-  TPU), `CPU_MAX_CHUNK` elsewhere (module docstring)."""
+def default_auto_block_mib(backend: str | None = None) -> float | None:
+  """The cap on "auto" chunks' blocks on `backend` (default: jax's): none where whole-vocabulary matmuls pay
+  (GPU, TPU), `CPU_BLOCK_MIB` elsewhere (docs/sampler.md)."""
   backend = jax.default_backend() if backend is None else backend
-  return None if backend in ("gpu", "cuda", "rocm", "tpu") else CPU_MAX_CHUNK
+  return None if backend in ("gpu", "cuda", "rocm", "tpu") else CPU_BLOCK_MIB
 
 
 def _chunk_running(scaled: Array, first: Array | int, table: Array | None, margin: bool = False) -> _Running:
@@ -147,15 +147,18 @@ def complete_draw(scaled_logits: Array, out: HeadOutput, uniforms: Array) -> Arr
   the inverse CDF."""
   scaled = scaled_logits.astype(jnp.float32)
   stats = out.stats
-  rest = _draw_rest(lambda start, step: start(0, None, scaled), out.log_normalizer, stats.argmax,
-                    stats.confidence, uniforms)
+  flat = lambda x: x.reshape(-1)
+  rest = _draw_rest(lambda start, step: start(0, None, _flat(scaled)), flat(out.log_normalizer),
+                    flat(stats.argmax), flat(stats.confidence), flat(uniforms)).reshape(uniforms.shape)
   return jnp.where(stats.sample >= 0, stats.sample, rest)
 
 
 def token_stats(scaled_logits: Array, uniforms: Array) -> acceptance_lib.TokenStats:
   """Statistics and the draw (one uniform per position, [B, C]) of softmax(scaled_logits) [B, C, V] given
   whole: the unchunked path."""
-  out = _finish(_chunk_running(scaled_logits.astype(jnp.float32), 0, None, margin=True), uniforms, None)
+  flat = _flat(scaled_logits.astype(jnp.float32))  # [P, V], as the streamed head
+  out = _finish(_chunk_running(flat, 0, None, margin=True), uniforms.reshape(-1), None)
+  out = jax.tree.map(lambda x: x.reshape(uniforms.shape + x.shape[1:]), out)
   return out.stats.replace(sample=complete_draw(scaled_logits, out, uniforms))
 
 
@@ -175,7 +178,7 @@ class VocabHead:
   never_token: int | None = None  # removed from the distribution (masked noise: the mask token)
   chunk_size: int | str | None = None  # tokens per chunk; None: the whole vocabulary at once; "auto"
   budget_mib: float = DEFAULT_BUDGET_MIB  # for chunk_size "auto": MiB of one float32 [B, C, U] array
-  auto_max_chunk: int | None = None  # for chunk_size "auto": at most this many tokens per chunk (CPU: 1024)
+  auto_block_mib: float | None = None  # for chunk_size "auto": MiB of one [B, C, U] block at most (CPU: 8)
   draw_slots: int = 4  # positions per row whose draw one pass of `draw` recomputes
   margin: bool = False  # also the top-1 minus top-2 probability (`TokenStats.margin`), for rules that use it
 
@@ -189,8 +192,9 @@ class VocabHead:
     positive = lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 1
     if not positive(self.draw_slots):
       raise ValueError(f"draw_slots={self.draw_slots!r} is invalid: a positive integer.")
-    if self.auto_max_chunk is not None and not positive(self.auto_max_chunk):
-      raise ValueError(f"auto_max_chunk={self.auto_max_chunk!r} is invalid: None or a positive integer.")
+    block = self.auto_block_mib
+    if block is not None and (isinstance(block, bool) or not isinstance(block, (int, float)) or not block > 0):
+      raise ValueError(f"auto_block_mib={block!r} is invalid: None or a positive number of MiB.")
 
   @classmethod
   def for_model(cls, config: ModelConfig, never_token: int | None = None, chunk_size: int | str | None = None,
@@ -198,23 +202,22 @@ class VocabHead:
     """The head of `config`'s model; for chunk_size "auto", the backend's cap asked here, once."""
     return cls(vocab_size=config.vocab_size, softcap=config.final_logit_softcap, dtype=config.dtype,
                never_token=never_token, chunk_size=chunk_size, budget_mib=budget_mib,
-               auto_max_chunk=default_auto_max_chunk() if chunk_size == AUTO else None, margin=margin)
+               auto_block_mib=default_auto_block_mib() if chunk_size == AUTO else None, margin=margin)
 
   def chunk_for(self, positions: int) -> int | None:
     """Tokens per chunk for `positions` (B x C) positions at once, None for one chunk: `chunk_size`, or
-    for "auto" the choice from `budget_mib` and `auto_max_chunk` (module docstring)."""
+    for "auto" the fewest chunks whose float32 [B, C, U] blocks fit the smaller of `budget_mib` and
+    `auto_block_mib` (docs/sampler.md)."""
     if self.chunk_size != AUTO:
       return self.chunk_size
     column = 4 * positions  # bytes of one vocabulary entry's float32 logits
-    budget = int(self.budget_mib * 2**20)
+    budget = int(min(self.budget_mib, self.auto_block_mib or math.inf) * 2**20)
     size = self.vocab_size
     if column * size > budget:
       fits = max(_CHUNK_MULTIPLE, budget // column // _CHUNK_MULTIPLE * _CHUNK_MULTIPLE)
       chunks = -(-self.vocab_size // fits)
       size = -(-self.vocab_size // chunks)  # the same chunks, evened out (the last one less padded)
       size = -(-size // _CHUNK_MULTIPLE) * _CHUNK_MULTIPLE
-    if self.auto_max_chunk is not None:
-      size = min(size, self.auto_max_chunk)
     return None if size >= self.vocab_size else size
 
   def _chunked_table(self, table: Array, chunk_size: int | None) -> Array:
@@ -238,20 +241,31 @@ class VocabHead:
     scaled = logits / temperature
     return scaled if restrict is None else restrict(scaled, first)
 
-  def _fold(self, table: Array, hidden: Array, temperature: Array, restrict: Restrict | None):
+  def _fold(self, table: Array, hidden: Array, temperature: Array, restrict: Restrict | None,
+            lead: tuple[int, ...]):
     """`fold(start, step)`: carry = start(first id, rows, scaled) on the first chunk of the vocabulary, then
     carry = step(carry, first id, rows, scaled) on each later one in order (no loop for one chunk); rows
-    [U, D] are the chunk's table rows, scaled [..., U] its logits / T, computed inside the loop."""
-    chunked = self._chunked_table(table, self.chunk_for(math.prod(hidden.shape[:-1])))
-    firsts = jnp.arange(chunked.shape[0], dtype=jnp.int32) * chunked.shape[1]
-    scaled = lambda first, rows: self.scaled_logits(rows, hidden, first, temperature, restrict)
+    [U, D] are the chunk's table rows, scaled [P, U] its logits / T for hidden [P, D], computed inside the
+    loop; `restrict` sees them in the positions' shape `lead` (P = prod(lead)). The later chunks are indexed
+    inside the loop, so no copy of the table is made."""
+    positions = hidden.shape[0]
+    chunked = self._chunked_table(table, self.chunk_for(positions))
+    wrapped = restrict
+    if restrict is not None:
+      wrapped = lambda s, first: restrict(s.reshape(lead + s.shape[-1:]), first).reshape(s.shape)
+    scaled = lambda first, rows: self.scaled_logits(rows, hidden, first, temperature, wrapped)
 
     def fold(start, step):
       carry = start(0, chunked[0], scaled(0, chunked[0]))
       if chunked.shape[0] == 1:
         return carry
-      body = lambda carry, xs: (step(carry, xs[0], xs[1], scaled(*xs)), None)
-      return jax.lax.scan(body, carry, (firsts[1:], chunked[1:]))[0]
+
+      def body(carry, index):
+        rows = jax.lax.dynamic_index_in_dim(chunked, index, keepdims=False)
+        first = index * chunked.shape[1]
+        return step(carry, first, rows, scaled(first, rows)), None
+
+      return jax.lax.scan(body, carry, jnp.arange(1, chunked.shape[0], dtype=jnp.int32))[0]
 
     return fold
 
@@ -262,10 +276,12 @@ class VocabHead:
     table: the embedding [V, D]; hidden: final hidden states [B, C, D]; temperature: a scalar; uniforms
     [B, C] in [0, 1). `stats.sample` is -1 where `draw` must finish the draw.
     """
-    fold = self._fold(table, hidden, temperature, restrict)
+    lead = hidden.shape[:-1]
+    fold = self._fold(table, _flat(hidden), temperature, restrict, lead)
     chunk = lambda first, rows, scaled: _chunk_running(scaled, first, rows, self.margin)
     running = fold(chunk, lambda running, first, rows, scaled: running.merge(chunk(first, rows, scaled)))
-    return _finish(running, uniforms, layers.embed_scale(table.shape[-1], table.dtype))
+    out = _finish(running, uniforms.reshape(-1), layers.embed_scale(table.shape[-1], table.dtype))
+    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), out)
 
   def draw(self, table: Array, hidden: Array, out: HeadOutput, need: Array, uniforms: Array,
            temperature: Array, restrict: Restrict | None = None) -> Array:
@@ -280,12 +296,19 @@ class VocabHead:
     def body(carry):
       sample, left = carry
       order = jnp.argsort(~left, axis=-1, stable=True)[:, :slots]  # [B, R]: each row's first positions left
-      pick = lambda x: x[rows, order]
-      fold = self._fold(table, jnp.take_along_axis(hidden, order[..., None], axis=1), temperature, restrict)
+      pick = lambda x: x[rows, order].reshape(-1)  # [B * R]
+      picked = jnp.take_along_axis(hidden, order[..., None], axis=1)  # [B, R, D]
+      fold = self._fold(table, _flat(picked), temperature, restrict, (b, slots))
       drawn = _draw_rest(fold, pick(out.log_normalizer), pick(stats.argmax), pick(stats.confidence),
-                         pick(uniforms))  # [B, R]
-      sample = sample.at[rows, order].set(jnp.where(pick(left), drawn, pick(sample)))
+                         pick(uniforms)).reshape(b, slots)
+      sample = sample.at[rows, order].set(jnp.where(left[rows, order], drawn, sample[rows, order]))
       return sample, left.at[rows, order].set(False)
 
     left = need & (stats.sample < 0)
     return jax.lax.while_loop(lambda carry: carry[1].any(), body, (stats.sample, left))[0]
+
+
+def _flat(hidden: Array) -> Array:
+  """hidden [..., D] as [P, D]. The head works on positions flattened: with a leading axis of size 1
+  (batch 1) XLA's CPU fusions of a product summed over the vocabulary ran ~4x slower (docs/sampler.md)."""
+  return hidden.reshape(-1, hidden.shape[-1])
