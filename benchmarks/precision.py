@@ -7,7 +7,8 @@ of cells written as the float32 model writes them, the weights' bytes, and the t
 With `--text_workdir` (a training run of text, e.g. configs/small.py) the model continues validation
 prompts instead (`build.generative_eval`'s), float32 against bfloat16 only: the share of new tokens written
 as float32 writes them (same prompts, same sampling keys), of the first denoising step's argmax canvas,
-and the time at `--batch_size` and batch 1.
+what each wrote as judged by the float32 model's own encoder (perplexity, unigram entropy: a sample that
+differs can still be as good), and the time at `--batch_size` and batch 1.
 
 Every variant solves the same held-out puzzles with the same sampling keys (the randomness is common to
 all, so a difference is the numerics'). Variants: `float32`; `bfloat16` (weights and compute);
@@ -30,6 +31,8 @@ import numpy as np
 from benchmarks import measure
 from diffusiongemma import build
 from diffusiongemma import training
+from diffusiongemma.evaluation import generative
+from diffusiongemma.sampling import stats
 from diffusiongemma.model import quantize
 from projects.sudoku import runs as sudoku_runs
 from projects.sudoku import solve
@@ -71,7 +74,7 @@ def _bytes(tree) -> int:
 
 
 def _text(workdir: str) -> dict:
-  """float32 against bfloat16 on a text run: tokens written alike, first-step argmax, and time."""
+  """float32 against bfloat16 on a text run: tokens written alike, first-step argmax, the samples judged, time."""
   config = build.workdir_config(workdir)
   if config is None:
     raise app.UsageError(f"--text_workdir={workdir!r} has no config.json: not a training run's folder.")
@@ -90,6 +93,10 @@ def _text(workdir: str) -> dict:
       first_argmax.setdefault(name, []).append(np.asarray(out.trace.argmax)[0, 0])
   tokens = {name: np.concatenate(r) for name, r in rows.items()}
   argmax = {name: np.concatenate(r) for name, r in first_argmax.items()}
+  sampler = runs["float32"][0]
+  written = {name: [stats.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id) for row in t]
+             for name, t in tokens.items()}
+  judged = {name: generative.score(prompts, c, evaluation.judges) for name, c in written.items()}  # float32 judge
   times = {name: {"batch": [], "batch_1": []} for name in runs}
   call = lambda name, rows_: runs[name][0].generate(runs[name][1], rows_, jax.random.key(_SEED.value), new_tokens)
   for name in runs:  # compile both shapes first
@@ -106,6 +113,7 @@ def _text(workdir: str) -> dict:
       "new_tokens_equal_to_float32": float((tokens["bfloat16"] == tokens["float32"]).mean()),
       "rows_equal_to_float32": float((tokens["bfloat16"] == tokens["float32"]).all(axis=1).mean()),
       "first_step_argmax_equal": float((argmax["bfloat16"] == argmax["float32"]).mean()),
+      "judged": judged,
       "seconds_batch": {name: median(name, "batch") for name in runs},
       "seconds_batch_1": {name: median(name, "batch_1") for name in runs},
       "speed_over_float32_batch": median("float32", "batch") / median("bfloat16", "batch"),

@@ -228,3 +228,21 @@ def test_sample_script_samples_with_the_trained_noise(corpus, workdirs):  # noqa
                              "--max_new_tokens=8", "--config.sampler.max_denoising_steps=4"))
   assert "noise masked" in result.stdout and f"never_token {VOCAB}" in result.stdout
   assert "step 4" in result.stdout
+
+
+def test_precision_compares_bfloat16_with_float32_on_a_text_run(workdirs, tmp_path):
+  """benchmarks/precision.py --text_workdir: the trained run's weights continue validation prompts in float32
+  and in bfloat16 with the same keys; the JSON says how many new tokens agree and records both times."""
+  diffusion_dir, _ = workdirs
+  output = tmp_path / "precision.json"
+  _run([sys.executable, "-m", "benchmarks.precision", f"--text_workdir={diffusion_dir}", "--text_samples=3",
+        "--batch_size=2", "--repeats=1", f"--output={output}"])
+  report = json.loads(output.read_text())
+  assert report["settings"]["prompts"] == 3 and "step 4" in report["settings"]["weights"]
+  assert report["settings"]["sampler"]["dtype"] == "float32" and report["settings"]["sampler"]["noise"] == "masked"
+  for key in ("new_tokens_equal_to_float32", "rows_equal_to_float32", "first_step_argmax_equal"):
+    assert 0.0 <= report[key] <= 1.0, (key, report[key])
+  assert set(report["seconds_batch"]) == set(report["seconds_batch_1"]) == {"float32", "bfloat16"}
+  assert report["speed_over_float32_batch"] > 0 and report["machine"]["git_commit"]
+  for name in ("float32", "bfloat16"):  # what each wrote, judged by the float32 model
+    assert report["judged"][name]["num_samples"] == 3 and report["judged"][name]["perplexity_self"] > 1
