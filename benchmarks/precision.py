@@ -39,7 +39,8 @@ from projects.sudoku import solve
 from projects.sudoku import weights as shipped
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "A Sudoku diffusion run (default: the shipped weights).")
-_OUTPUT = flags.DEFINE_string("output", "results/precision_sudoku.json", "The JSON to write.")
+_OUTPUT = flags.DEFINE_string("output", None, "The JSON to write (default: results/precision_sudoku.json, "
+                              "or results/precision_text.json with --text_workdir).")
 _PER_LEVEL = flags.DEFINE_integer("per_level", 40, "Held-out puzzles per clue count (36-40 clues).")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Puzzles per sampler call.")
 _BATCH1_PUZZLES = flags.DEFINE_integer("batch1_puzzles", 40, "Puzzles solved one at a time for the batch-1 time.")
@@ -184,7 +185,8 @@ def main(argv):
 
 
 def _write(report: dict) -> pathlib.Path:
-  output = pathlib.Path(_OUTPUT.value)
+  default = "results/precision_text.json" if _TEXT_WORKDIR.value else "results/precision_sudoku.json"
+  output = pathlib.Path(_OUTPUT.value or default)
   output.parent.mkdir(parents=True, exist_ok=True)
   output.write_text(json.dumps(report, indent=1, default=str))
   return output
