@@ -98,14 +98,11 @@ def _text(workdir: str) -> dict:
   written = {name: [stats.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id) for row in t]
              for name, t in tokens.items()}
   judged = {name: generative.score(prompts, c, evaluation.judges) for name, c in written.items()}  # float32 judge
-  times = {name: {"batch": [], "batch_1": []} for name in runs}
   call = lambda name, rows_: runs[name][0].generate(runs[name][1], rows_, jax.random.key(_SEED.value), new_tokens)
-  for name in runs:  # compile both shapes first
-    jax.block_until_ready(call(name, prompts[:batch]).tokens), jax.block_until_ready(call(name, prompts[:1]).tokens)
-  for _ in range(_REPEATS.value):
-    for name in runs:
-      times[name]["batch"].append(measure.time_call(lambda: call(name, prompts[:batch]).tokens).runs[0])
-      times[name]["batch_1"].append(measure.time_call(lambda: call(name, prompts[:1]).tokens).runs[0])
+  timed = {key: measure.alternate(lambda: call("float32", p).tokens, lambda: call("bfloat16", p).tokens,
+                                  _REPEATS.value)  # float32, bfloat16, ... alternated; each compiled first
+           for key, p in (("batch", prompts[:batch]), ("batch_1", prompts[:1]))}
+  times = {name: {key: timed[key][i].runs for key in timed} for i, name in enumerate(runs)}
   median = lambda name, key: statistics.median(times[name][key])
   return {
       "settings": {"workdir": workdir, "weights": evaluation.source, "prompts": int(len(prompts)),

@@ -141,6 +141,12 @@ def _group_ranks(sorted_experts: Array, sizes: Array) -> Array:
   return jnp.arange(sorted_experts.shape[0]) - group_start[jnp.minimum(sorted_experts, sizes.shape[0] - 1)]
 
 
+def _row_tokens(dest: Array, token: Array, num_rows: int, pad: int) -> Array:
+  """The token of each of `num_rows` padded rows: `token[i]` at row `dest[i]` (past the end: dropped),
+  `pad` (a row read as zeros) elsewhere."""
+  return jnp.full((num_rows,), pad, jnp.int32).at[dest].set(token, mode="drop")
+
+
 def _tile_layout(experts: Array, rank: Array, sizes: Array, tile: int, num_tiles: int):
   """Groups of `sizes` [E] assignments padded to whole tiles: (the padded row of each assignment, given its
   expert [A] (ids >= E: none, past the end) and its rank in the group [A]; the expert of each tile, any
@@ -204,7 +210,7 @@ def _grouped(x, weights, experts, gating, linear, skip=None):
 
   in_slab = (sorted_experts < num_experts) & (rank < capacity)
   slab_row = jnp.where(in_slab, sorted_experts * capacity + rank, num_experts * capacity)
-  rows_token = jnp.full((num_experts * capacity,), num_tokens, jnp.int32).at[slab_row].set(token, mode="drop")
+  rows_token = _row_tokens(slab_row, token, num_experts * capacity, num_tokens)
   slab = jnp.take(x, rows_token, axis=0, mode="fill", fill_value=0).reshape(num_experts, capacity, dim)
   # The barriers keep XLA's CPU fusions apart (the gather out of the first matmul, the GeGLU out of the
   # second): slightly faster (docs/moe.md).
@@ -219,7 +225,7 @@ def _grouped(x, weights, experts, gating, linear, skip=None):
   overflow = jnp.where(in_slab, num_experts, sorted_experts)
   dest, tile_expert, used = _tile_layout(overflow, rank - capacity, jnp.maximum(sizes - capacity, 0), tile,
                                          num_tiles)
-  tile_token = jnp.full((num_tiles * tile,), num_tokens, jnp.int32).at[dest].set(token, mode="drop")
+  tile_token = _row_tokens(dest, token, num_tiles * tile, num_tokens)
   tiles = jnp.take(x, tile_token, axis=0, mode="fill", fill_value=0).reshape(num_tiles, tile, dim)
 
   def run(rows, expert):  # [X, D] through one expert
@@ -351,7 +357,7 @@ def _local_grouped(x, weights, experts, gating, linear, tokens):
   dest, tile_expert, used_tiles = _tile_layout(sorted_experts, _group_ranks(sorted_experts, sizes), sizes,
                                                  tile, num_tiles)
   # Per padded row: its token (num_rows for padding, read as zeros) and routing weight (0 for padding).
-  row_token = jnp.full((num_tiles * tile,), num_rows, jnp.int32).at[dest].set(order // top_k, mode="drop")
+  row_token = _row_tokens(dest, order // top_k, num_tiles * tile, num_rows)
   row_weight = jnp.zeros((num_tiles * tile,), jnp.float32).at[dest].set(weights.reshape(-1)[order],
                                                                          mode="drop")
 

@@ -157,8 +157,7 @@ def token_stats(scaled_logits: Array, uniforms: Array) -> acceptance_lib.TokenSt
   """Statistics and the draw (one uniform per position, [B, C]) of softmax(scaled_logits) [B, C, V] given
   whole: the unchunked path."""
   flat = _flat(scaled_logits.astype(jnp.float32))  # [P, V], as the streamed head
-  out = _finish(_chunk_running(flat, 0, None, margin=True), uniforms.reshape(-1), None)
-  out = jax.tree.map(lambda x: x.reshape(uniforms.shape + x.shape[1:]), out)
+  out = _unflat(_finish(_chunk_running(flat, 0, None, margin=True), uniforms.reshape(-1), None), uniforms.shape)
   return out.stats.replace(sample=complete_draw(scaled_logits, out, uniforms))
 
 
@@ -280,8 +279,7 @@ class VocabHead:
     fold = self._fold(table, _flat(hidden), temperature, restrict, lead)
     chunk = lambda first, rows, scaled: _chunk_running(scaled, first, rows, self.margin)
     running = fold(chunk, lambda running, first, rows, scaled: running.merge(chunk(first, rows, scaled)))
-    out = _finish(running, uniforms.reshape(-1), layers.embed_scale(table.shape[-1], table.dtype))
-    return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), out)
+    return _unflat(_finish(running, uniforms.reshape(-1), layers.embed_scale(table.shape[-1], table.dtype)), lead)
 
   def draw(self, table: Array, hidden: Array, out: HeadOutput, need: Array, uniforms: Array,
            temperature: Array, restrict: Restrict | None = None) -> Array:
@@ -312,3 +310,8 @@ def _flat(hidden: Array) -> Array:
   """hidden [..., D] as [P, D]. The head works on positions flattened: with a leading axis of size 1
   (batch 1) XLA's CPU fusions of a product summed over the vocabulary ran ~4x slower (docs/sampler.md)."""
   return hidden.reshape(-1, hidden.shape[-1])
+
+
+def _unflat(out, lead: tuple[int, ...]):
+  """Every array of `out` [P, ...] back to the positions' shape `lead` [..., ...] (P = prod(lead))."""
+  return jax.tree.map(lambda x: x.reshape(lead + x.shape[1:]), out)
