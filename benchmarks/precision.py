@@ -32,8 +32,8 @@ from benchmarks import measure
 from diffusiongemma import build
 from diffusiongemma import training
 from diffusiongemma.evaluation import generative
-from diffusiongemma.sampling import stats
 from diffusiongemma.model import quantize
+from diffusiongemma.sampling import stats
 from projects.sudoku import runs as sudoku_runs
 from projects.sudoku import solve
 from projects.sudoku import weights as shipped
@@ -83,7 +83,8 @@ def _text(workdir: str) -> dict:
                                      batch_size=_BATCH_SIZE.value, seed=_SEED.value)
   params, prompts = evaluation.variables["params"], evaluation.prompts
   batch, new_tokens = min(_BATCH_SIZE.value, len(prompts)), evaluation.max_new_tokens
-  runs = {name: variant(config, params, name, "none") for name in ("float32", "bfloat16")}
+  names = ("float32", "bfloat16")
+  runs = {name: variant(config, params, name, "none") for name in names}
   rows = {name: [] for name in runs}
   first_argmax = {}
   for name, (sampler, variables) in runs.items():
@@ -99,10 +100,10 @@ def _text(workdir: str) -> dict:
              for name, t in tokens.items()}
   judged = {name: generative.score(prompts, c, evaluation.judges) for name, c in written.items()}  # float32 judge
   call = lambda name, rows_: runs[name][0].generate(runs[name][1], rows_, jax.random.key(_SEED.value), new_tokens)
-  timed = {key: measure.alternate(lambda: call("float32", p).tokens, lambda: call("bfloat16", p).tokens,
-                                  _REPEATS.value)  # float32, bfloat16, ... alternated; each compiled first
+  timed = {key: dict(zip(names, measure.alternate(*(lambda n=n, p=p: call(n, p).tokens for n in names),
+                                                  _REPEATS.value)))  # alternated; each compiled first
            for key, p in (("batch", prompts[:batch]), ("batch_1", prompts[:1]))}
-  times = {name: {key: timed[key][i].runs for key in timed} for i, name in enumerate(runs)}
+  times = {name: {key: timed[key][name].runs for key in timed} for name in names}
   median = lambda name, key: statistics.median(times[name][key])
   return {
       "settings": {"workdir": workdir, "weights": evaluation.source, "prompts": int(len(prompts)),
