@@ -11,6 +11,7 @@ throughput is the median of its runs (`Timing.median`), with the first call's co
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pathlib
 import platform
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.extend import core as jax_core
 import jax.numpy as jnp
 
 from diffusiongemma import build
@@ -126,6 +128,50 @@ def read_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
   return matrix.nbytes / time_call(jax.jit(jnp.matmul), matrix, vector, repeats=repeats).best
 
 
+def matmuls_alone(fn: Callable, *args, repeats: int = 5) -> dict[str, float]:
+  """The matmuls of `fn(*args)` run one at a time: every `dot_general` of its jaxpr (inside nested calls
+  too; inside a `scan`, once per iteration) jitted by itself on random operands of the same shapes and
+  dtypes, the fastest of `repeats` runs, summed: what `fn` would take under XLA's kernels at these shapes
+  if everything but its matmuls were free and no two ran at once. Dots under a `cond` or a `while` run a
+  number of times known only at run time: left out, counted in `conditional_dots`.
+
+  Returns {seconds, flops, dots, distinct (each timed once), conditional_dots}.
+  """
+  counts: dict[tuple, int] = {}
+  conditional = 0
+
+  def walk(jaxpr, times: int, known: bool):
+    nonlocal conditional
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        if known:
+          p = eqn.params
+          key = (tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars), p["dimension_numbers"],
+                 p.get("precision"), p.get("preferred_element_type"))
+          counts[key] = counts.get(key, 0) + times
+        else:
+          conditional += times
+      inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
+      inner_known = known and eqn.primitive.name not in ("cond", "while")
+      for sub in jax_core.jaxprs_in_params(eqn.params):
+        walk(sub, inner, inner_known)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr, 1, True)
+  seconds = flops = 0.0
+  for (operands, dims, precision, out_dtype), n in counts.items():
+    (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
+    lhs = jax.random.normal(jax.random.key(0), lhs_shape).astype(lhs_dtype)
+    rhs = jax.random.normal(jax.random.key(1), rhs_shape).astype(rhs_dtype)
+    dot = jax.jit(lambda a, b, dims=dims, precision=precision, out_dtype=out_dtype: jax.lax.dot_general(
+        a, b, dims, precision=precision, preferred_element_type=out_dtype))
+    out = jax.eval_shape(dot, lhs, rhs)
+    contracted = math.prod(lhs_shape[d] for d in dims[0][0])
+    seconds += n * time_call(dot, lhs, rhs, repeats=repeats).best
+    flops += n * 2.0 * math.prod(out.shape) * contracted
+  return {"seconds": seconds, "flops": flops, "dots": float(sum(counts.values())),
+          "distinct": float(len(counts)), "conditional_dots": float(conditional)}
+
+
 def cost(fn: Callable, *args) -> dict[str, float]:
   """XLA's cost analysis of `jax.jit(fn)(*args)`: {'flops', 'bytes accessed'} (0 where unknown)."""
   return compiled_cost(jax.jit(fn).lower(*args).compile())
@@ -227,8 +273,9 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   hidden states; `head` the vocabulary head (LM head, soft embedding, statistics, streamed);
   `step` the whole `steps.denoise_step` (those, the draw, acceptance, re-noising, stopping). Also, for
   comparison, the bare LM head (logits and softcap, no statistics) and the head's two matmuls bare (those
-  logits, then weighted by themselves into embedding rows: the soft embedding's matmul), and XLA's FLOPs
-  of denoiser + head."""
+  logits, then weighted by themselves into embedding rows: the soft embedding's matmul), the step's matmuls
+  run one at a time (`matmuls_alone`: `step_matmuls_alone_seconds`, their FLOPs, how many, and how many
+  under a `cond` left out), and XLA's FLOPs of denoiser + head."""
   from diffusiongemma.sampling import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from diffusiongemma.sampling import steps, vocab  # pylint: disable=g-import-not-at-top
   model, rules = sampler.model, sampler.rules
@@ -258,6 +305,9 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
                          ("bare_lm_head", bare, (variables, hidden)), ("bare_head_matmuls", pair, (variables, hidden)),
                          ("step", step, (variables, cache, state))):
     out[f"{name}_seconds"] = time_call(fn, *args, repeats=repeats).best
+  alone = matmuls_alone(step, variables, cache, state)
+  out.update(step_matmuls_alone_seconds=alone["seconds"], step_matmul_flops=alone["flops"],
+             step_dots=alone["dots"], step_conditional_dots=alone["conditional_dots"])
   out["xla_flops"] = cost(body, variables, cache, state)["flops"] + cost(head, variables, hidden)["flops"]
   out["useful_flops"] = denoiser_flops(cfg, b, int(prompts.shape[1]))
   return out

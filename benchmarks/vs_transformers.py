@@ -40,7 +40,10 @@ median), _tokens_per_second, _passes_per_canvas; ratio = ours / transformers tok
 step_in_program_seconds (a step inside the generation's loop), generate_seconds, rest_seconds; useful_flops,
 xla_flops, peak_flops; step_mfu (in the loop), standalone_step_mfu, mfu and xla_mfu (denoiser + head),
 head_over_bare_lm_head, head_over_bare_head_matmuls, denoiser_fraction, outside_denoiser_fraction (of a
-standalone step), rest_fraction (of a generation); none clamped), bf16[].
+standalone step), rest_fraction (of a generation); none clamped; step_matmuls_alone_seconds (the step's
+matmuls run one at a time, `measure.matmuls_alone`), step_matmul_flops, step_dots, step_conditional_dots,
+step_over_matmuls_alone (the step in the loop over that), tokens_per_second_at_matmuls_alone and
+ratio_at_matmuls_alone (a generation whose steps cost only those matmuls, against transformers)), bf16[].
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ def _breakdown(model, params, prompts, num_steps, new_tokens, peak, repeats):
           "step_mfu": parts["useful_flops"] / in_program / peak,
           "standalone_step_mfu": parts["useful_flops"] / parts["step_seconds"] / peak,
           "mfu": parts["useful_flops"] / denoiser / peak, "xla_mfu": parts["xla_flops"] / denoiser / peak,
+          "step_over_matmuls_alone": in_program / parts["step_matmuls_alone_seconds"],
           "head_over_bare_lm_head": parts["head_seconds"] / parts["bare_lm_head_seconds"],
           "head_over_bare_head_matmuls": parts["head_seconds"] / parts["bare_head_matmuls_seconds"],
           "denoiser_fraction": denoiser / parts["step_seconds"],
@@ -205,14 +209,16 @@ def _table(results: dict) -> str:
                  f"{r['hf_tokens_per_second']:.0f} | **{r['ratio']:.2f}x** | {r['ours_passes_per_canvas']:.0f}, "
                  f"{r['hf_passes_per_canvas']:.0f} | {r['ours_compile_seconds']:.1f} |")
   lines += ["", "| batch | step MFU (in the loop) | denoiser + head MFU (XLA count) | outside denoiser + head "
-            "(share of a step) | outside the steps (share of a generation) | head / bare LM head | head / its two "
-            "matmuls bare | AR tok/s | diffusion / AR |", "|---" * 9 + "|"]
+            "(share of a step) | outside the steps (share of a generation) | step / its matmuls one at a time | "
+            "ours / transformers if a step cost only those | head / bare LM head | head / its two matmuls bare | "
+            "AR tok/s | diffusion / AR |", "|---" * 11 + "|"]
   ar = {r["batch_size"]: r for r in results["ar"]}
   fixed = {r["batch_size"]: r for r in results["runs"] if not r["kind"].startswith("defaults")}
   for r in results["breakdown"]:
     b = r["batch_size"]
     lines.append(f"| {b} | {100 * r['step_mfu']:.1f}% | {100 * r['mfu']:.1f}% ({100 * r['xla_mfu']:.1f}%) | "
                  f"{100 * r['outside_denoiser_fraction']:.0f}% | {100 * r['rest_fraction']:.0f}% | "
+                 f"{r['step_over_matmuls_alone']:.2f} | {r['ratio_at_matmuls_alone']:.2f}x | "
                  f"{r['head_over_bare_lm_head']:.2f} | {r['head_over_bare_head_matmuls']:.2f} | "
                  f"{ar[b]['tokens_per_second']:.0f} | "
                  f"{fixed[b]['ours_tokens_per_second'] / ar[b]['tokens_per_second']:.2f} |")
@@ -285,8 +291,12 @@ def main(argv):
         results["ar"].append({"batch_size": b, "seconds": ar.median, "compile_seconds": ar.compile_seconds,
                               "tokens_per_second": b * new_tokens / ar.median})
         peaks.append(measure.matmul_peak_flops(peak_size, repeats=5, dtype=dtype))
-        results["breakdown"].append(_breakdown(model, params, prompts, _STEPS.value, new_tokens, max(peaks),
-                                               repeats))
+        parts = _breakdown(model, params, prompts, _STEPS.value, new_tokens, max(peaks), repeats)
+        # The tokens/s a generation would reach if its steps cost only their matmuls, one at a time.
+        bound = b * new_tokens / (_STEPS.value * parts["step_matmuls_alone_seconds"])
+        parts.update(tokens_per_second_at_matmuls_alone=bound,
+                     ratio_at_matmuls_alone=bound / row["hf_tokens_per_second"])
+        results["breakdown"].append(parts)
         print(json.dumps(results["breakdown"][-1]), flush=True)
   if dtype == "float32" and not quick:
     for b in (1, 8):

@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import measure
@@ -20,6 +22,19 @@ def test_alternate_takes_turns_after_one_first_call_each():
   assert (ours.output, theirs.output, len(ours.runs), len(theirs.runs)) == (1, 2, 3, 3)
   with pytest.raises(ValueError, match="repeats=0"):
     measure.alternate(lambda: 1, lambda: 2, 0)
+
+
+def test_matmuls_alone_counts_every_dot_once_per_run():
+  """Dots in nested calls and in a scan (once per iteration) are timed and counted with their FLOPs; those
+  under a cond (run or not, known only at run time) are left out and counted apart."""
+  def fn(x, w):
+    y = jax.jit(lambda a: a @ w)(x)  # a nested call: [64, 32] x [32, 32]
+    y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), y, None, length=3)  # 3 more
+    y = jax.lax.cond(y.sum() > 0, lambda y: y @ w, lambda y: y, y)  # left out
+    return jnp.einsum("bij,bkj->bik", y[None], y[None])  # [1, 64, 32] x [1, 64, 32]^T
+  found = measure.matmuls_alone(fn, jnp.ones((64, 32)), jnp.ones((32, 32)), repeats=1)
+  assert (found["dots"], found["distinct"], found["conditional_dots"]) == (5, 2, 1)
+  assert found["flops"] == 4 * 2 * 64 * 32 * 32 + 2 * 64 * 64 * 32 and found["seconds"] > 0
 
 
 def _vs_transformers(*args, module=True):
@@ -55,4 +70,6 @@ def test_vs_transformers_smoke_run_records_the_protocol(tmp_path):
   (run,) = results["runs"]
   assert len(run["ours_runs"]) == len(run["hf_runs"]) == 3 and run["ours_compile_seconds"] >= 0
   assert run["ours_passes_per_canvas"] == run["hf_passes_per_canvas"] == 16  # both ran every step
-  assert results["breakdown"][0]["step_mfu"] > 0 and "LOADED MACHINE" in result.stdout
+  (breakdown,) = results["breakdown"]
+  assert breakdown["step_mfu"] > 0 and breakdown["step_dots"] > 0 and breakdown["ratio_at_matmuls_alone"] > 0
+  assert "LOADED MACHINE" in result.stdout
