@@ -138,17 +138,19 @@ def matmuls_alone(fn: Callable, *args, repeats: int = 5) -> dict[str, float]:
   Returns {seconds, flops, dots, distinct (each timed once), conditional_dots}.
   """
   counts: dict[tuple, int] = {}
-  conditional = 0
+  conditional, flops = 0, 0.0
 
   def walk(jaxpr, times: int, known: bool):
-    nonlocal conditional
+    nonlocal conditional, flops
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "dot_general":
         if known:
-          p = eqn.params
+          p, (lhs, _) = eqn.params, eqn.invars
           key = (tuple((tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars), p["dimension_numbers"],
                  p.get("precision"), p.get("preferred_element_type"))
           counts[key] = counts.get(key, 0) + times
+          contracted = math.prod(lhs.aval.shape[d] for d in p["dimension_numbers"][0][0])
+          flops += times * 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
         else:
           conditional += times
       inner = times * eqn.params["length"] if eqn.primitive.name == "scan" else times
@@ -157,17 +159,14 @@ def matmuls_alone(fn: Callable, *args, repeats: int = 5) -> dict[str, float]:
         walk(sub, inner, inner_known)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr, 1, True)
-  seconds = flops = 0.0
+  seconds = 0.0
   for (operands, dims, precision, out_dtype), n in counts.items():
     (lhs_shape, lhs_dtype), (rhs_shape, rhs_dtype) = operands
     lhs = jax.random.normal(jax.random.key(0), lhs_shape).astype(lhs_dtype)
     rhs = jax.random.normal(jax.random.key(1), rhs_shape).astype(rhs_dtype)
     dot = jax.jit(lambda a, b, dims=dims, precision=precision, out_dtype=out_dtype: jax.lax.dot_general(
         a, b, dims, precision=precision, preferred_element_type=out_dtype))
-    out = jax.eval_shape(dot, lhs, rhs)
-    contracted = math.prod(lhs_shape[d] for d in dims[0][0])
     seconds += n * time_call(dot, lhs, rhs, repeats=repeats).best
-    flops += n * 2.0 * math.prod(out.shape) * contracted
   return {"seconds": seconds, "flops": flops, "dots": float(sum(counts.values())),
           "distinct": float(len(counts)), "conditional_dots": float(conditional)}
 
