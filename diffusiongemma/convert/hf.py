@@ -28,6 +28,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from diffusiongemma import parallel
+from diffusiongemma.convert import vision as _vision
+from diffusiongemma.convert.layout import _Entry, _identity, _linear, _mlp, _output_projection
 from diffusiongemma.model import quantize
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 from diffusiongemma.model.transformer import DiffusionGemma
@@ -36,31 +38,6 @@ _DECODER = "model.decoder."
 _ENCODER = "model.encoder.language_model."
 _LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
 _SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
-
-
-class _Entry:
-  """One parameter: our path, checkpoint keys to try, and the layout maps both ways."""
-
-  def __init__(self, path: tuple[str, ...], keys: tuple[str, ...], to_ours: Callable, to_hf: Callable):
-    self.path, self.keys, self.to_ours, self.to_hf = path, keys, to_ours, to_hf
-
-
-def _identity(x):
-  return x
-
-
-def _linear(heads: int | None = None):
-  """torch Linear [out, in] <-> ours: [in, out], or [heads, in, head_dim] when split into heads."""
-  if heads is None:
-    return (lambda w: w.T), (lambda w: w.T)
-  return ((lambda w: w.reshape(heads, -1, w.shape[-1]).transpose(0, 2, 1)),
-          (lambda w: w.transpose(0, 2, 1).reshape(-1, w.shape[1])))
-
-
-def _output_projection(heads: int):
-  """torch o_proj [D, N*H] <-> ours [N, H, D]."""
-  return ((lambda w: w.reshape(w.shape[0], heads, -1).transpose(1, 2, 0)),
-          (lambda w: w.transpose(2, 0, 1).reshape(w.shape[2], -1)))
 
 
 def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
@@ -109,13 +86,6 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
     yield _Entry(ours + ("encoder_scalar",), (_ENCODER + layer + "layer_scalar",), scalar_in, scalar_out)
   if cfg.vision is not None:
     yield from _vision.layout(cfg.vision)
-
-
-def _mlp(path: tuple[str, ...], key: Callable[[str], tuple[str, ...]]) -> Iterator[_Entry]:
-  """A GeGLU's gate and up [F, D] stack into gating_einsum [2, F, D]; down [D, F] is linear [F, D]."""
-  for i, name in enumerate(("gate_proj", "up_proj")):
-    yield _Entry(path + ("gating_einsum", str(i)), key(name + ".weight"), _identity, _identity)
-  yield _Entry(path + ("linear",), key("down_proj.weight"), *_linear())
 
 
 _FULL_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # what a full layer's entry may change
@@ -439,6 +409,3 @@ def _get(tree, path: tuple[str, ...], leaf: bool = False):
     tree = tree[name]
   return tree if leaf else np.asarray(jax.device_get(tree))
 
-
-# Last: the vision layout builds on this module's _Entry and helpers.
-from diffusiongemma.convert import vision as _vision  # pylint: disable=g-import-not-at-top,wrong-import-position

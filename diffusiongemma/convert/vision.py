@@ -14,7 +14,7 @@ from typing import Any
 
 from absl import logging
 
-from diffusiongemma.convert.hf import _Entry, _identity, _linear, _mlp, _output_projection
+from diffusiongemma.convert.layout import _Entry, _identity, _linear, _mlp, _output_projection
 from diffusiongemma.model.config import VisionConfig
 
 _TOWER = "model.encoder.vision_tower."
