@@ -6,7 +6,8 @@
   python -m benchmarks.constraints                       # constrained decoding's cost
   (or `python benchmarks/<name>.py ...`)
 
-Shared helpers: `measure` (timers, in-run machine peaks, XLA costs, the step taken apart) and
+Shared helpers: `measure` (XLA costs, the step taken apart; the timer, in-run machine peaks and provenance
+of `diffusiongemma.timing`, which projects/ uses too) and
 `hf_reference` (a tiny random transformers DiffusionGemma and its outputs, run as `generate` does; the
 tests' cross-checks use it too; needs the `hf` extra: torch and transformers). Importing the package
 imports nothing.

@@ -1,11 +1,14 @@
-"""The package's import graph from its source (every import, function-local ones included) and the layering
-rule it must follow (docs/architecture.md): each subpackage imports only subpackages of lower layers, and
-nothing imports `build`, the composition root."""
+"""Import graphs from the source (every import, function-local ones included) and the layering rules they must
+follow (docs/architecture.md): inside the package each subpackage imports only subpackages of lower layers,
+and nothing imports `build`, the composition root; around it, each area of the tree (a project, benchmarks,
+scripts, ...) imports only areas of lower rank; and no module of the tree is part of an import cycle."""
 
 from __future__ import annotations
 
 import ast
 import collections
+from collections.abc import Iterator
+import json
 import pathlib
 
 # Layer of each unit (a subpackage, or a top-level module) of the package: imports go strictly downwards.
@@ -19,6 +22,13 @@ LAYERS = {
     "serving": 6,  # above chat: it serves conversations in the chat format
     "build": 7,
 }
+LAYERS["timing"] = 0  # timers, in-run machine peaks and provenance (imports JAX only)
+
+# Rank of each area of the tree (an area: the package, each project `projects.<name>`, and each other top-level
+# folder); an area imports only areas of lower rank, so projects never import benchmarks and two projects never
+# import each other. colabs/ notebooks are read cell by cell.
+AREAS = {"diffusiongemma": 0, "projects": 1, "benchmarks": 2, "experiments": 3, "scripts": 3, "colabs": 3,
+         "tests": 4}
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
@@ -43,20 +53,74 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
   return []
 
 
+def _sources(root: pathlib.Path, folders) -> Iterator[tuple[str, bool, str]]:
+  """(module name, is a package __init__, source) of every .py file (and notebook code cell) in `folders`."""
+  for folder in folders:
+    for path in sorted((root / folder).rglob("*.py")):
+      yield _module_name(path, root), path.name == "__init__.py", path.read_text()
+    for path in sorted((root / folder).rglob("*.ipynb")):
+      cells = json.loads(path.read_text())["cells"]
+      code = ["".join(line for line in ("".join(c["source"]) + "\n").splitlines(keepends=True)
+                      if not line.lstrip().startswith(("!", "%")))
+              for c in cells if c["cell_type"] == "code"]
+      yield _module_name(path, root), False, "\n".join(code)
+
+
+def _imports(root: pathlib.Path, folders) -> Iterator[tuple[str, str]]:
+  """(importing module, imported name) for every import statement in `folders`."""
+  for module, is_package, source in _sources(root, folders):
+    for node in ast.walk(ast.parse(source, module)):
+      for name in _imported(node, module, is_package):
+        yield module, name
+
+
 def import_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
   """unit -> units it imports (units: `package.X` for each subpackage or top-level module X)."""
   graph: dict[str, set[str]] = collections.defaultdict(set)
-  for path in sorted((root / package).rglob("*.py")):
-    module = _module_name(path, root)
+  for module, name in _imports(root, [package]):
     unit = module.split(".")[1] if "." in module else ""
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-      for name in _imported(node, module, path.name == "__init__.py"):
-        parts = name.split(".")
-        if parts[0] != package or len(parts) < 2:
-          continue
-        target = parts[1]
-        if target != unit:
-          graph[unit].add(target)
+    parts = name.split(".")
+    if parts[0] != package or len(parts) < 2:
+      continue
+    target = parts[1]
+    if target != unit:
+      graph[unit].add(target)
+  return dict(graph)
+
+
+def _area(module: str) -> str | None:
+  parts = module.split(".")
+  if parts[0] not in AREAS:
+    return None
+  return ".".join(parts[:2]) if parts[0] == "projects" and len(parts) > 1 else parts[0]
+
+
+def area_graph(root: pathlib.Path, areas: dict[str, int] = AREAS) -> dict[str, set[str]]:
+  """area -> areas it imports (an area: see `AREAS`; `projects/__init__.py` is the area `projects`)."""
+  graph: dict[str, set[str]] = collections.defaultdict(set)
+  for module, name in _imports(root, [a for a in areas if (root / a).is_dir()]):
+    source, target = _area(module), _area(name)
+    if target is not None and target != source:
+      graph[source].add(target)
+  return dict(graph)
+
+
+def area_violations(graph: dict[str, set[str]], areas: dict[str, int] = AREAS) -> list[str]:
+  """Every import of an area of the same or a higher rank, and every cycle between areas."""
+  rank = lambda area: areas[area.split(".")[0]]
+  out = [f"{unit} (rank {rank(unit)}) imports {target} (rank {rank(target)})"
+         for unit, targets in sorted(graph.items()) for target in sorted(targets) if rank(target) >= rank(unit)]
+  return out + [f"cycle: {' -> '.join(c)}" for c in cycles(graph)]
+
+
+def module_graph(root: pathlib.Path, folders) -> dict[str, set[str]]:
+  """module -> modules of the tree it imports (`from a import b` is the module a.b if there is one, else a)."""
+  sources = {module: is_package for module, is_package, _ in _sources(root, folders)}
+  graph: dict[str, set[str]] = collections.defaultdict(set)
+  for module, name in _imports(root, folders):
+    target = name if name in sources else name.rpartition(".")[0]
+    if target in sources and target != module:
+      graph[module].add(target)
   return dict(graph)
 
 

@@ -2,6 +2,7 @@
 public API, and every registered component selectable, with its parameters, from command-line flags."""
 
 import dataclasses
+import json
 import pathlib
 import subprocess
 import sys
@@ -23,6 +24,37 @@ def test_the_package_imports_one_way_down():
   assert set(graph) - {""} <= set(import_layers.LAYERS), sorted(graph)
   assert import_layers.violations(graph) == []
   assert not any("build" in targets for unit, targets in graph.items() if unit != "build")
+
+
+def test_the_tree_imports_one_way_down_and_no_module_is_in_a_cycle():
+  """Around the package too: a project imports only the package (never benchmarks/ or another project),
+  benchmarks/ the package and projects, and so on up (`import_layers.AREAS`); no two modules anywhere in the
+  tree import each other, directly or around a loop (e.g. convert/hf.py and convert/vision.py)."""
+  graph = import_layers.area_graph(ROOT)
+  assert {"projects.sudoku", "benchmarks", "scripts", "tests"} <= set(graph), sorted(graph)
+  assert import_layers.area_violations(graph) == []
+  modules = import_layers.module_graph(ROOT, list(import_layers.AREAS))
+  assert "diffusiongemma.convert.layout" in modules["diffusiongemma.convert.vision"]
+  assert import_layers.cycles(modules) == []
+
+
+def test_the_tree_checker_catches_an_upward_import_and_a_module_cycle(tmp_path):
+  for folder, text in (("diffusiongemma/convert/hf.py", "from diffusiongemma.convert import vision\n"),
+                       ("diffusiongemma/convert/vision.py", "def f():\n  from diffusiongemma.convert.hf import g\n"),
+                       ("projects/sudoku/report.py", "from benchmarks import measure\n"),
+                       ("projects/text/demo.py", "from projects.sudoku import report\n"),
+                       ("benchmarks/measure.py", "import diffusiongemma.convert.hf\n"),
+                       ("colabs/a.ipynb", json.dumps({"cells": [{"cell_type": "code", "source": [
+                           "!pip install x\n", "from projects.text import demo"]}]}))):
+    (tmp_path / folder).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / folder).write_text(text)
+  graph = import_layers.area_graph(tmp_path)
+  assert graph == {"projects.sudoku": {"benchmarks"}, "projects.text": {"projects.sudoku"},
+                   "benchmarks": {"diffusiongemma"}, "colabs": {"projects.text"}}
+  assert import_layers.area_violations(graph) == ["projects.sudoku (rank 1) imports benchmarks (rank 2)",
+                                                  "projects.text (rank 1) imports projects.sudoku (rank 1)"]
+  assert import_layers.cycles(import_layers.module_graph(tmp_path, list(import_layers.AREAS))) == [
+      ["diffusiongemma.convert.hf", "diffusiongemma.convert.vision", "diffusiongemma.convert.hf"]]
 
 
 def test_the_checker_catches_a_cycle_through_a_function_local_import(tmp_path):

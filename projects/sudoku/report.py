@@ -24,8 +24,8 @@ from absl import flags
 from absl import logging
 import numpy as np
 
-from benchmarks import measure
 from diffusiongemma import build
+from diffusiongemma import timing
 from diffusiongemma import training
 from diffusiongemma.diffusion import acceptance
 from projects.sudoku import runs
@@ -144,7 +144,7 @@ def main(argv):
       "settings": {"weights": source, "ar_weights": ar_source, "seed": seed, "batch_size": batch,
                    "per_level": _PER_LEVEL.value, "curve_every": _CURVE_EVERY.value,
                    "curve_puzzles": _CURVE_PUZZLES.value, "config": config.to_dict(), "ar_config": ar_config.to_dict()},
-      "machine": {"load_average_before": load_before, "matmul_peak_gflops": measure.matmul_peak_flops(1024) / 1e9},
+      "machine": {"load_average_before": load_before, "matmul_peak_gflops": timing.matmul_peak_flops(1024) / 1e9},
       "decoders": _decoders(diffusion, ar, sets, batch, seed),
       "batch_sweep": _batch_sweep(diffusion, ar, sets["36-40"][:64], [int(b) for b in _BATCH_SIZES.value], seed),
       "acceptance": _acceptance(sampler, variables, sets["36-40"], batch, seed),

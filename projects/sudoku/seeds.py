@@ -13,8 +13,8 @@ from absl import app
 from absl import flags
 import numpy as np
 
-from benchmarks import measure
 from diffusiongemma import build
+from diffusiongemma import timing
 from diffusiongemma import training
 from projects.sudoku import runs
 from projects.sudoku import solve
@@ -51,7 +51,7 @@ def main(argv):
   spread = {name: {stat: float(fn([r[name]["solve_rate"] for r in rows]))
                    for stat, fn in (("min", np.min), ("max", np.max), ("mean", np.mean))} for name in sets}
   report = {"settings": {"per_level": _PER_LEVEL.value, "batch_size": _BATCH_SIZE.value, "seed": _SEED.value,
-                         **measure.provenance(pathlib.Path(__file__).parent.parent.parent)},
+                         **timing.provenance(pathlib.Path(__file__).parent.parent.parent)},
             "runs": rows, "spread": spread}
   output = pathlib.Path(_OUTPUT.value)
   output.parent.mkdir(parents=True, exist_ok=True)
