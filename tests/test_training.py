@@ -10,6 +10,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from diffusiongemma import training
 from diffusiongemma.build.config import load_config_file
 from diffusiongemma.build import tasks as build_tasks
 from diffusiongemma.training import loop
+from diffusiongemma.training import metrics as metrics_lib
 
 ROOT = pathlib.Path(__file__).parent.parent
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -181,6 +183,33 @@ def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
   _assert_same_params(before.opt_state, state.opt_state)
   with pytest.raises(ValueError, match="nan_policy 'ignore'"):
     training.check_finite(metrics, 1, "ignore")
+
+
+def test_the_time_budget_counts_the_whole_run_across_resumes(corpus, tmp_path, monkeypatch):
+  """config.train.time_budget_s is the run's total training time (`time/train_s`, what the checkpoint carries
+  across resumes): a run stopped at 2 s and resumed with a 3 s budget stops at 3 s in total, as an
+  uninterrupted run does, and a run whose budget is spent trains no further step. The loop runs on a fake
+  clock and a fake train step that advances it 1 s (no compiling: the loop's accounting is what is tested);
+  each process's first step counts as compiling and is left out of the training time."""
+  now = [0.0]
+  monkeypatch.setattr(metrics_lib, "time", types.SimpleNamespace(perf_counter=lambda: now[0],
+                                                                process_time=time.process_time))
+
+  def one_second_step(self, state, batch):
+    del self, batch
+    now[0] += 1.0
+    return state.replace(step=state.step + 1), {"loss": 1.0, "finite": 1.0}
+
+  monkeypatch.setattr(loop._Setup, "train_step", one_second_step)  # pylint: disable=protected-access
+
+  def run(workdir, budget):
+    state = dg.build.train(_config(corpus, **{"train.time_budget_s": budget}), workdir)  # 6 steps
+    return int(state.step), [r["time/train_s"] for r in training.read_metrics(workdir) if "time/train_s" in r][-1]
+
+  assert run(tmp_path / "straight", 3.0) == (4, 3.0)
+  assert run(tmp_path / "resumed", 2.0) == (3, 2.0)
+  assert run(tmp_path / "resumed", 3.0) == (5, 3.0)  # its step 4 compiled: 1 s more than the first run's 2 s
+  assert run(tmp_path / "resumed", 3.0) == (5, 3.0)  # spent: nothing to run
 
 
 def test_checkpoint_from_another_config_fails_naming_fields_and_loses_nothing(corpus, tmp_path):

@@ -60,7 +60,7 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.train.checkpoint_every = 200
   config.train.keep_checkpoints = 3
   config.train.async_checkpointing = True
-  config.train.time_budget_s = 0.0  # stop (and save) after this many seconds of this run; 0: none
+  config.train.time_budget_s = 0.0  # stop (and save) once time/train_s, summed over resumes, reaches this; 0: none
   config.train.seed = 0
   # Fine-tuning: start from these weights (a training workdir's latest checkpoint or a transformers
   # checkpoint folder; config.model must describe them) instead of a random initialisation.

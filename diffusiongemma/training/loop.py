@@ -25,7 +25,6 @@ import json
 import pathlib
 import signal
 import threading
-import time
 
 from collections.abc import Callable
 
@@ -201,7 +200,10 @@ def workdir_path(workdir) -> pathlib.Path:
 def train(task: Task, workdir) -> TrainState:
   """Trains (or resumes training) for `task.loop.num_steps` steps; returns the final state.
 
-  Returns early, after saving, on SIGTERM or when `task.loop.time_budget_s` is spent. Raises
+  Returns early, after saving, on SIGTERM or when `task.loop.time_budget_s` is spent: the budget counts the
+  training time of the whole run, earlier runs it resumes included (`time/train_s` in the metrics, the
+  seconds of steps: compiling, evaluating and saving excluded), so a resumed run stops where an uninterrupted
+  one would. Raises
   `NonFiniteError` (with `nan_policy='error'`) naming the step and metric of a NaN/Inf, and
   `ConfigMismatchError` if the workdir holds a checkpoint of another config.
   """
@@ -250,7 +252,6 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
   clock = metrics_lib.Stopwatch(elapsed)  # training time: compiling, evaluating and saving excluded
   progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * setup.task.sequence_length, step, clock)
   writer = metrics_lib.create_writer(setup.workdir, enabled=parallel.is_main_process())
-  compile_s = 0.0
 
   def run_eval():
     with clock.excluded():
@@ -265,20 +266,25 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
       meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals()}
       checkpointer.save(step, state, train_iter.get_state(), meta)
 
+  def spent(train_s: float) -> bool:  # the budget counts the whole training, every resumed run included
+    return 0 < tc.time_budget_s <= train_s
+
   try:
     with _Preemption() as preemption:
       if fresh and tc.eval_every:
         run_eval()
       if step >= tc.num_steps and checkpointer.latest_step() != step:
         save()
-      while step < tc.num_steps:
+      already_spent = step < tc.num_steps and spent(elapsed["train_s"])  # by the runs this one resumes
+      if already_spent:
+        logging.info("Time budget of %.0f s already spent (%.0f s of training up to step %d): no step to run.",
+                     tc.time_budget_s, elapsed["train_s"], step)
+      while step < tc.num_steps and not already_spent:
         batch = to_global(next(train_iter), setup.batch_sharding)
         if step == first_step:  # the first step compiles: left out of times and tokens/s
           with clock.excluded():
-            began = time.perf_counter()
             state, metrics = setup.train_step(state, batch)
             metrics = jax.device_get(metrics)
-            compile_s = time.perf_counter() - began
           progress.restart(step + 1)
         else:
           state, metrics = setup.train_step(state, batch)
@@ -297,7 +303,7 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
           logging.info("%s", progress.line(step, means))
         if tc.eval_every and (step % tc.eval_every == 0 or last):
           run_eval()
-        out_of_time = 0 < tc.time_budget_s <= clock.seconds() + compile_s
+        out_of_time = spent(clock.totals()["train_s"])
         if step % tc.checkpoint_every == 0 or last or preemption.requested or out_of_time:
           save()
         if preemption.requested:

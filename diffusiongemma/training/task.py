@@ -33,7 +33,7 @@ class LoopSettings:
   checkpoint_every: int = 200
   keep_checkpoints: int = 3
   async_checkpointing: bool = True
-  time_budget_s: float = 0.0  # stop (and save) after this many seconds of this run; 0: none
+  time_budget_s: float = 0.0  # stop (and save) once the whole run (resumes included) trained this long; 0: none
   nan_policy: str = "error"  # 'error' (stop, naming step and metric) | 'skip' (drop the update)
   seed: int = 0
 
