@@ -48,7 +48,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lm(checkpoint):
-  args = f"hf_checkpoint={checkpoint[0]},dtype=float32,batch_size=4,max_gen_toks=24"
+  args = f"hf_checkpoint={checkpoint[0]},batch_size=4,max_gen_toks=24"  # dtype: auto, the checkpoint's float32
   return build_harness.DiffusionGemmaLM.create_from_arg_string(args, HARNESS_DEFAULTS)
 
 
@@ -104,7 +104,9 @@ def _greedy_request(folder, reference):
 
 
 def test_loglikelihood_equals_transformers_and_an_off_by_one_boundary_fails(lm, checkpoint):
+  """With the default dtype (auto: the checkpoint's own, float32 here, as lm-eval's HF model computes it)."""
   folder, reference = checkpoint
+  assert build_harness.checkpoint_dtype(folder) == "float32" and lm.loaded.model.config.dtype == "float32"
   requests = REQUESTS + [_greedy_request(folder, reference)]
   ours = lm.loglikelihood([Instance("loglikelihood", {}, request, i) for i, request in enumerate(requests)])
   greedy_seen = []
@@ -262,10 +264,32 @@ def test_bad_input_is_refused_or_documented(lm, checkpoint, caplog):
 def test_model_args_win_over_the_harness_defaults_and_name_sampler_settings(checkpoint, lm):
   assert lm.batch_size == 4 and lm.max_gen_toks == 24  # model_args batch_size=4 over lm-eval's "1"
   other = build_harness.DiffusionGemmaLM.create_from_arg_string(
-      f"hf_checkpoint={checkpoint[0]},dtype=float32,preset=creative,t_min=0.5,stop_tokens=1|6", HARNESS_DEFAULTS)
+      f"hf_checkpoint={checkpoint[0]},dtype=bfloat16,preset=creative,t_min=0.5,stop_tokens=1|6", HARNESS_DEFAULTS)
   config = other.harness.sampler.config
   assert (config.t_max, config.entropy_bound, config.t_min, config.stop_tokens) == (1.0, 0.15, 0.5, (1, 6))
   assert other.batch_size == 1
+  assert other.loaded.model.config.dtype == "bfloat16"  # dtype= overrides the checkpoint's float32
+  assert {str(x.dtype) for x in jax.tree.leaves(other.loaded.variables)} == {"bfloat16"}
+
+
+def test_dtype_auto_reads_config_json_else_the_first_floating_point_tensor(checkpoint, tmp_path):
+  from safetensors.torch import save_file  # pylint: disable=import-outside-toplevel
+  config = json.loads((checkpoint[0] / "config.json").read_text())
+  for section in (config, config.get("text_config", {})):
+    for key in ("dtype", "torch_dtype"):
+      section.pop(key, None)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  save_file({"a_step": torch.zeros(2, dtype=torch.int64), "b_weight": torch.zeros(2, dtype=torch.bfloat16)},
+            str(tmp_path / "model.safetensors"))
+  assert build_harness.checkpoint_dtype(tmp_path) == "bfloat16"
+  (tmp_path / "config.json").write_text(json.dumps({**config, "torch_dtype": "torch.float16"}))
+  assert build_harness.checkpoint_dtype(tmp_path) == "float16"
+  (tmp_path / "model.safetensors").unlink()
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match="names no dtype in config.json and holds no floating-point tensor"):
+    build_harness.checkpoint_dtype(tmp_path)
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    build_harness.checkpoint_dtype(tmp_path / "missing")
 
 
 def test_chat_template_is_the_gemma4_format(lm):
@@ -363,7 +387,7 @@ def test_the_harness_command_line_runs_the_local_tasks_offline(checkpoint, lm, t
              PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   result = subprocess.run(
       [sys.executable, "scripts/lm_eval_harness.py", "--model", "diffusiongemma", "--model_args",
-       f"hf_checkpoint={folder},dtype=float32,batch_size=2,max_gen_toks=16", "--include_path", "tests/harness_tasks",
+       f"hf_checkpoint={folder},batch_size=2,max_gen_toks=16", "--include_path", "tests/harness_tasks",
        "--tasks", "dg_choice,dg_generate", "--output_path", str(tmp_path / "out"), "--log_samples"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
   assert result.returncode == 0, result.stderr[-4000:]

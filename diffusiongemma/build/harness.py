@@ -5,15 +5,16 @@ own command line (lm-eval 0.4.13 finds no out-of-tree model through entry points
 --model diffusiongemma` cannot see it):
 
   python scripts/lm_eval_harness.py --model diffusiongemma \
-      --model_args hf_checkpoint=DIR,dtype=float32,batch_size=4 --tasks arc_easy
+      --model_args hf_checkpoint=DIR,batch_size=4 --tasks arc_easy
 
 `--model_args` (comma-separated key=value; unknown keys are an error naming the known ones):
   hf_checkpoint=DIR             a transformers checkpoint folder: weights, tokenizer, generation defaults
   config=FILE[:ARG],workdir=W   a training config file and its workdir (latest checkpoint, its tokenizer);
                                 workdir=W alone reads the config the run saved there
   preset=NAME                   sampler preset (`sampling.presets`: default, code, creative)
-  dtype=float32|bfloat16        weights and compute (checkpoint default bfloat16; a config: its
-                                config.train.compute_dtype)
+  dtype=auto|float32|bfloat16   weights and compute. auto, the default (as lm-eval's own HF model): a
+                                checkpoint's own dtype (config.json's `dtype`, else its first floating-
+                                point tensor's), a training run's config.train.compute_dtype
   batch_size=N, max_length=N, max_gen_toks=N, seed=N, likelihood=exact|elbo, elbo_samples=N, elbo_eps=X
                                 (`evaluation.harness.HarnessSettings`)
   any SamplerConfig field       e.g. t_max=1.0,max_denoising_steps=16,entropy_bound=0.08
@@ -32,6 +33,7 @@ Projects with their own token layout add a `GenerationAdapter` factory to `ADAPT
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 from collections.abc import Callable, Mapping
@@ -41,6 +43,7 @@ import lm_eval.models  # pylint: disable=unused-import  (the harness's own model
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
+from safetensors import safe_open
 
 from diffusiongemma import build
 from diffusiongemma.build.config import load_config_file
@@ -86,6 +89,31 @@ def _config(path: str, workdir):
   return load_config_file(file, arg or None)
 
 
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+
+
+def checkpoint_dtype(folder) -> str:
+  """The dtype a transformers checkpoint folder is computed in by default (transformers' and lm-eval's
+  `dtype="auto"`): config.json's `dtype` (`torch_dtype` in older files), else the dtype of its first
+  floating-point tensor."""
+  folder = pathlib.Path(folder)
+  if not folder.is_dir():
+    raise FileNotFoundError(f"Checkpoint folder {str(folder)!r} does not exist.")
+  config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+  for source in (config, config.get("text_config", {})):
+    named = source.get("dtype") or source.get("torch_dtype")
+    if isinstance(named, str) and named != "auto":
+      return named.removeprefix("torch.")
+  for file in sorted(folder.glob("*.safetensors")):
+    with safe_open(file, "numpy") as handle:
+      for key in handle.keys():
+        stored = handle.get_slice(key).get_dtype()
+        if stored in _SAFETENSORS_DTYPES:
+          return _SAFETENSORS_DTYPES[stored]
+  raise ValueError(f"dtype=auto: {folder} names no dtype in config.json and holds no floating-point tensor; "
+                   "give dtype=float32 or dtype=bfloat16.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Loaded:
   """What the harness runs: the model, its variables, tokenizer, sampler, a factory of samplers with
@@ -100,14 +128,16 @@ class Loaded:
   source: str
 
 
-def load(*, hf_checkpoint=None, config=None, workdir=None, preset: str = "default", dtype=None,
+def load(*, hf_checkpoint=None, config=None, workdir=None, preset: str = "default", dtype: str = "auto",
          **sampler_overrides) -> Loaded:
   """The objects for `--model_args` (module docstring)."""
+  auto = dtype in (None, "auto")
   if hf_checkpoint is not None and (config is not None or workdir is not None):
     raise ValueError("Give hf_checkpoint=DIR or config=FILE,workdir=W, not both.")
   if hf_checkpoint is not None:
     folder = str(hf_checkpoint)
-    pretrained = build.pretrained(folder, preset=preset, dtype=dtype or "bfloat16", **sampler_overrides)
+    pretrained = build.pretrained(folder, preset=preset, dtype=checkpoint_dtype(folder) if auto else dtype,
+                                  **sampler_overrides)
     sampler = pretrained.sampler
     make = lambda **changes: sampler.replace(config=sampler.config.replace(**changes))
     return Loaded(sampler.model, pretrained.weights.variables, pretrained.tokenizer, sampler, make,
@@ -116,7 +146,7 @@ def load(*, hf_checkpoint=None, config=None, workdir=None, preset: str = "defaul
     raise ValueError("--model_args needs hf_checkpoint=DIR, or config=FILE with workdir=W (or workdir=W "
                      "of a training run).")
   cfg = _config(config, workdir)
-  if dtype is not None:
+  if not auto:
     cfg.train.compute_dtype = dtype
   weights = build.load(cfg, workdir=workdir)
   overrides = {**presets.preset_overrides(preset), **sampler_overrides}
