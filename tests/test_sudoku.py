@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 
@@ -251,6 +252,19 @@ def test_the_shipped_weights_solve_held_out_puzzles():
   result = sudoku_eval.solve(dg.build.sampler(config), variables, puzzles, batch_size=100)
   assert result.solved.mean() >= 0.9 and result.passes.mean() <= 12, (result.summary(), provenance)
   assert provenance["command"].startswith("python scripts/train.py --config=projects/sudoku/config.py")
+
+
+def test_the_demo_draws_each_pass_once_within_a_screen(capsys):
+  """README command 1 draws the canvas after each pass of the solve it reports, once: the solver's warm-up
+  run (which compiles the same program) streams nowhere. Each pass fits one 24-line screen."""
+  from projects.sudoku import demo  # pylint: disable=import-outside-toplevel  (defines its absl flags)
+  config, variables, _ = shipped.load(shipped.DIFFUSION)
+  puzzles, _ = sudoku.generate_many(1, 38, seed=0, split="validation")
+  demo.show_one(dg.build.sampler(config), variables, puzzles[0], seed=0)
+  out = capsys.readouterr().out
+  passes = int(re.search(r"solved in (\d+) passes", out)[1])
+  assert re.findall(r"^pass (\d+):", out, re.M) == [str(k) for k in range(1, passes + 1)], out
+  assert max(len(block.splitlines()) for block in out.split("\npass ")) <= 24
 
 
 def _run(*args, timeout=900):

@@ -13,7 +13,8 @@ A puzzle counts as solved when the model's 81 digits form a valid grid that keep
 - `compile_s`: the first batch's extra time (tracing and compiling), reported apart.
 
 Puzzles run in batches of `batch_size` (the last one padded by repeating puzzles, so every batch has
-one shape and the program compiles once); a first warm-up batch is run and timed apart.
+one shape and the program compiles once); a first warm-up batch is run and timed apart, streaming nowhere
+(a stream draws each pass once: the warm-up's passes are not the run's).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def _batches(puzzles: np.ndarray, batch_size: int):
 
 
 def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, pad_id: int, held: bool = False) -> SolveResult:
-  """Runs `decode(puzzles [b, 81], batch_index) -> (tokens [b, >=81], passes [b])` over every batch;
-  `held`: the clues were given, not written by the model (they are not new tokens)."""
+  """Runs `decode(puzzles [b, 81], batch_index, warm_up) -> (tokens [b, >=81], passes [b])` over every batch,
+  after one warm-up call on the first batch (`warm_up=True`); `held`: the clues were given, not written by
+  the model (they are not new tokens)."""
   puzzles = np.asarray(puzzles)
   if puzzles.ndim != 2 or puzzles.shape[1] != sudoku.NUM_CELLS:
     raise ValueError(f"puzzles must have shape [N, 81], got {puzzles.shape}.")
@@ -81,12 +83,12 @@ def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, pad_id: int, he
   batch_size = max(1, min(int(batch_size), len(puzzles)))
   warm, _ = next(_batches(puzzles, batch_size))
   start = time.perf_counter()
-  jax.block_until_ready(decode(warm, 0))
+  jax.block_until_ready(decode(warm, 0, True))
   first = time.perf_counter() - start
   outputs, passes, new = [], [], []
   start, cpu_start = time.perf_counter(), time.process_time()
   for i, (chunk, real) in enumerate(_batches(puzzles, batch_size)):
-    tokens, counts = jax.device_get(decode(chunk, i))
+    tokens, counts = jax.device_get(decode(chunk, i, False))
     tokens = np.asarray(tokens)[:real]
     outputs.append(tokens[:, :sudoku.NUM_CELLS])
     written = stats.new_token_counts(tokens, pad_id)
@@ -101,21 +103,27 @@ def _run(decode: Callable, puzzles: np.ndarray, batch_size: int, pad_id: int, he
                      compile_s=max(first - run_s / batches, 0.0))
 
 
+def _ignore(event) -> None:
+  del event
+
+
 def solve_diffusion(sampler: Sampler, params, puzzles: np.ndarray, *, batch_size: int = 64, seed: int = 0,
                     hold_clues: bool = True, on_pass=None) -> SolveResult:
   """Block-diffusion solving with `sampler.generate`: one canvas per puzzle; with `hold_clues` the clues
   are given positions of the canvas (held in every pass) and the model writes only the blanks.
-  `on_pass`: `generate`'s per-pass stream (e.g. to draw the canvas filling in)."""
+  `on_pass`: `generate`'s per-pass stream (e.g. to draw the canvas filling in), called for the passes of
+  the measured run only: the warm-up streams to a no-op (the same compiled program, nothing drawn)."""
   length = sampler.canvas_length
   if length != sudoku.NUM_CELLS:
     raise ValueError(f"The model's canvas_length={length} is not the 81 cells of a Sudoku.")
 
-  def decode(chunk, i):
+  def decode(chunk, i, warm_up):
     canvas = given = None
     if hold_clues:
       canvas, given = sudoku.encode_solution_canvas(chunk), chunk != 0
+    stream = _ignore if warm_up and on_pass is not None else on_pass
     out = sampler.generate(params, sudoku.encode_puzzle(chunk), jax.random.fold_in(jax.random.key(seed), i),
-                           max_new_tokens=length, initial_canvas=canvas, given=given, on_pass=on_pass)
+                           max_new_tokens=length, initial_canvas=canvas, given=given, on_pass=stream)
     return out.tokens, out.num_denoiser_passes
 
   return _run(decode, puzzles, batch_size, sampler.model.config.pad_id, held=hold_clues)
@@ -125,7 +133,8 @@ def solve_autoregressive(sampler: ARSampler, params, puzzles: np.ndarray, *, bat
                          seed: int = 0) -> SolveResult:
   """Greedy token-by-token solving with an `ARSampler` (81 forward passes per puzzle)."""
 
-  def decode(chunk, i):
+  def decode(chunk, i, warm_up):
+    del warm_up  # nothing streams
     out = sampler.generate(params, sudoku.encode_puzzle(chunk), jax.random.fold_in(jax.random.key(seed), i),
                            max_new_tokens=sudoku.NUM_CELLS)
     return out.tokens, out.num_forward_passes
