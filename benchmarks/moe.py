@@ -6,7 +6,7 @@ same active parameters (k x the expert width) is the floor. Everything runs in o
 and reports the median of `--repeats` timed calls after one warm-up (compile) call
 (`measure.moe_against_dense`: the router and the experts, as the model runs them).
 
-  python benchmarks/moe.py                      # the README table (T=2048, D=F=256, k=2)
+  python benchmarks/moe.py                      # T=2048, D=F=256, k=2
   python benchmarks/moe.py --experts=8,16 --repeats=2 --output=/tmp/moe.json
 """
 

@@ -1,7 +1,8 @@
-"""Checks that each number the README takes from an artefact equals the value in that JSON.
+"""Checks that each number the README, the docs pages and the projects' READMEs take from an artefact equals the
+value in that JSON, and that their relative links lead somewhere.
 
-The convention (docs/testing.md): such a number is written as a link to its JSON under `results/`, with a
-JSON pointer to the value as the fragment, e.g. in a table cell
+The convention: such a number is written as a link to its JSON under `results/` (from a page in docs/,
+`../results/...`), with a JSON pointer to the value as the fragment, e.g. in a table cell
 
     | 16 fixed steps | 1 | [141](results/benchmark_vs_transformers.json#/runs/0/ours_tokens_per_second) |
 
@@ -12,10 +13,10 @@ JSON pointer to the value as the fragment, e.g. in a table cell
 - the first number of the link text (thousands separators allowed) must equal the value rounded to the
   decimals written: 8.0 stands for anything in [7.95, 8.05], 18 for [17.5, 18.5].
 
-`python tests/check_readme_numbers.py [README.md ...]` prints every linked number with its value and exits
-1 if any is wrong (a missing file or key, a value that does not round to the number); `--unbacked` also
-lists table rows with numbers but no link (the rows still to convert). tests/test_readme_numbers.py runs the
-check on the README in CI.
+`python tests/check_readme_numbers.py [PAGE.md ...]` (default: every page of `pages()`) prints every linked
+number with its value and exits 1 if any is wrong (a missing file or key, a value that does not round to the
+number) or if a relative link leads to no file or heading; `--unbacked` also lists table rows with numbers
+but no link (the rows still to convert). tests/test_readme_numbers.py runs the check on every page in CI.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import sys
 import urllib.parse
 
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s#]+\.json)#([^)\s]+)\)")
+ANY_LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*$", re.M)
+ROOT = pathlib.Path(__file__).parent.parent
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?:[eE][-+]?\d+)?")
 FACTOR = re.compile(r"^(.*?)\*([-+]?[\d.]+(?:[eE][-+]?\d+)?)$")
 RESULTS = "results"
@@ -50,6 +54,11 @@ class Linked:
   def __str__(self):
     where = f"line {self.line}: [{self.text}]({self.path}#{self.pointer})"
     return f"{where}: {self.error}" if self.error else f"{where} = {self.value!r}"
+
+
+def pages(root: pathlib.Path = ROOT) -> list[pathlib.Path]:
+  """The pages whose numbers and links are checked: README.md, docs/*.md and each project's README.md."""
+  return [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "projects").glob("*/README.md"))]
 
 
 def written_number(text: str) -> tuple[float, int]:
@@ -111,7 +120,8 @@ def check(readme: pathlib.Path) -> list[Linked]:
       found.append(item)
       target = (readme.parent / path).resolve()
       try:
-        if pathlib.PurePosixPath(path).parts[0] != RESULTS:
+        parts = [p for p in pathlib.PurePosixPath(path).parts if p != ".."]  # docs/ pages link ../results/
+        if parts[0] != RESULTS:
           raise ValueError(f"the JSON is not under {RESULTS}/")
         if target not in loaded:
           loaded[target] = json.loads(target.read_text())
@@ -122,6 +132,28 @@ def check(readme: pathlib.Path) -> list[Linked]:
       except (OSError, ValueError, KeyError) as error:
         item.error = error.args[0] if isinstance(error, KeyError) else str(error)
   return found
+
+
+def anchor(heading: str) -> str:
+  """The fragment a Markdown heading gets (GitHub's rule: lower case, punctuation dropped, spaces to '-')."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(page: pathlib.Path) -> list[str]:
+  """'line N: target' for each relative link of `page` whose file, or heading (#fragment of a .md), is missing."""
+  page = pathlib.Path(page)
+  out = []
+  for number, line in enumerate(page.read_text().splitlines(), 1):
+    for target in ANY_LINK.findall(line):
+      if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+        continue
+      path, _, fragment = target.partition("#")
+      file = (page.parent / path).resolve() if path else page
+      if not file.exists():
+        out.append(f"line {number}: {target} (no such file)")
+      elif fragment and file.suffix == ".md" and fragment not in {anchor(h) for h in HEADING.findall(file.read_text())}:
+        out.append(f"line {number}: {target} (no such heading in {file.name})")
+  return out
 
 
 def unbacked(readme: pathlib.Path) -> list[tuple[int, str]]:
@@ -139,16 +171,20 @@ def unbacked(readme: pathlib.Path) -> list[tuple[int, str]]:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("readmes", nargs="*", default=[str(pathlib.Path(__file__).parent.parent / "README.md")])
+  parser.add_argument("readmes", nargs="*", default=[str(p) for p in pages()])
   parser.add_argument("--unbacked", action="store_true", help="also list table rows without linked numbers")
   args = parser.parse_args(argv)
   failed = 0
   for readme in args.readmes:
     items = check(readme)
-    failed += sum(item.error is not None for item in items)
-    print(f"{readme}: {len(items)} linked numbers, {sum(i.error is not None for i in items)} wrong")
+    broken = broken_links(readme)
+    failed += sum(item.error is not None for item in items) + len(broken)
+    print(f"{readme}: {len(items)} linked numbers, {sum(i.error is not None for i in items)} wrong; "
+          f"{len(broken)} broken links")
     for item in items:
       print(("  WRONG " if item.error else "  ok    ") + str(item))
+    for link in broken:
+      print(f"  BROKEN {link}")
     if args.unbacked:
       for number, row in unbacked(readme):
         print(f"  no artefact, line {number}: {row}")

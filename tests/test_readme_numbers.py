@@ -1,5 +1,6 @@
-"""tests/check_readme_numbers.py: the README's linked numbers equal their JSON artefacts (the real README,
-in CI), and on a small fixture README every kind of mismatch is reported with its line."""
+"""tests/check_readme_numbers.py: the linked numbers of the README, the docs pages and the projects' READMEs
+equal their JSON artefacts and their relative links lead somewhere (the real pages, in CI); on a small
+fixture README every kind of mismatch is reported with its line."""
 
 import json
 import pathlib
@@ -33,9 +34,36 @@ def fixture(tmp_path):
   return readme
 
 
-def test_the_readme_numbers_match_their_json():
-  wrong = [str(item) for item in checker.check(ROOT / "README.md") if item.error]
+PAGES = checker.pages(ROOT)
+
+
+def test_the_checked_pages_are_the_readme_the_docs_and_the_projects_readmes():
+  names = {str(page.relative_to(ROOT)) for page in PAGES}
+  assert {"README.md", "docs/performance.md", "docs/sampling.md", "projects/sudoku/README.md"} <= names
+  assert names == {"README.md", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+                   *(f"projects/{p.parent.name}/README.md" for p in (ROOT / "projects").glob("*/README.md"))}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_the_numbers_of_every_page_match_their_json_and_its_links_lead_somewhere(page):
+  wrong = [str(item) for item in checker.check(page) if item.error] + checker.broken_links(page)
   assert not wrong, "\n".join(wrong)
+
+
+def test_a_docs_page_links_its_json_from_one_folder_down_and_its_links_are_checked(fixture):
+  docs = fixture.parent / "docs"
+  docs.mkdir()
+  page = docs / "page.md"
+  page.write_text("# Page\n## A section: here\n[18](../results/r.json#/runs/0/tok_s) [back](../README.md#fixture) "
+                  "[self](#a-section-here) [web](https://example.com/x)\n[18](results/r.json#/runs/0/tok_s)\n")
+  assert [(i.line, i.error is None) for i in checker.check(page)] == [(3, True), (4, False)]
+  assert "No such file" in checker.check(page)[1].error  # results/ seen from docs/ is docs/results/
+  assert checker.broken_links(page) == ["line 4: results/r.json#/runs/0/tok_s (no such file)"]
+  page.write_text("[a](missing.md) [b](../README.md#no-such-heading) [c](#fixture)\n")
+  assert checker.broken_links(page) == ["line 1: missing.md (no such file)",
+                                        "line 1: ../README.md#no-such-heading (no such heading in README.md)",
+                                        "line 1: #fixture (no such heading in page.md)"]
+  assert checker.main([str(page)]) == 1
 
 
 def test_matching_numbers_pass_with_rounding_selectors_and_factors(fixture):

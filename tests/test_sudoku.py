@@ -246,7 +246,7 @@ def test_solve_counts_passes_and_checks_solutions():
 
 def test_the_shipped_weights_solve_held_out_puzzles():
   """The weights in projects/sudoku/weights/diffusion solve a fixed set of held-out 36-40-clue puzzles (the
-  validation stream, far past what the README's numbers used) at >= 90% in <= 12 passes on average."""
+  validation stream, far past what the project README's numbers used) at >= 90% in <= 12 passes on average."""
   config, variables, provenance = shipped.load(shipped.DIFFUSION)
   puzzles, _ = sudoku.generate_many(100, (36, 37, 38, 39, 40), seed=0, split="validation", start=5_000_000)
   result = sudoku_eval.solve(dg.build.sampler(config), variables, puzzles, batch_size=100)

@@ -420,7 +420,7 @@ def test_two_processes_train_together_like_one(corpus, tmp_path):
   assert _steps_saved(workdir) == [n]
   want = np.load(tmp_path / "one.npz")
   losses = [r["train/loss"] for _, r in _losses(workdir)]
-  np.testing.assert_array_equal(losses, want["losses"])  # bit-identical, as the README says
+  np.testing.assert_array_equal(losses, want["losses"])  # bit-identical, as docs/scale.md says
   params, step = training.load_params(workdir)  # onto this process's one device: another topology
   assert step == n
   params = jax.tree.leaves(params)

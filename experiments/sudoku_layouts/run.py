@@ -8,7 +8,7 @@ Layouts: `plain` (prompt = BOS + the 81 cells, canvas = the 81 digits: the recip
 (canvas = cell-id token, digit, ... with the ids held), `rows` (a row token before each row), `plain_id`
 (prompt tokens name their cell and value), `cells` (every canvas token names its cell, no prompt).
 Needs a pool and a validation set (projects.sudoku.data.generate_many) saved as .npz (--pool).
-The logs beside this file are the runs README.md cites.
+The logs beside this file are the runs projects/sudoku/README.md cites.
 """
 import argparse, json, time, os, sys, functools
 import numpy as np

@@ -39,7 +39,7 @@ def get_config(arg=None):
   config.data.prompt_length = sudoku.PROMPT_LENGTH
   config.data.num_canvases = 1
   # Clues are noised in training like any cell (copying them from the prompt is the easy task that first
-  # teaches the canvas where its cells are), and held when solving (README: the ablation).
+  # teaches the canvas where its cells are), and held when solving (this project's README: the ablation).
   config.data.sudoku = dict(pool_size=8192, pool_clues=30, min_clues=30, max_clues=45, validation_size=200,
                             validation_clues=(36, 37, 38, 39, 40), hold_clues=False)
 
@@ -58,11 +58,11 @@ def get_config(arg=None):
   config.train.eval_batches = 2
   config.train.checkpoint_every = 250
   config.train.keep_checkpoints = 20  # every checkpoint of the run: the solve rate against time
-  config.train.time_budget_s = 7200.0  # at most 2 hours of steps on this machine (the shipped run: README)
+  config.train.time_budget_s = 7200.0  # at most 2 hours of steps, resumes included (the shipped run: README.md)
 
   config.sampler.max_new_tokens = sudoku.NUM_CELLS
   config.sampler.max_denoising_steps = 24
-  # Chosen on 200 validation puzzles of seed 1 (the report uses seed 0): README, the Sudoku section.
+  # Chosen on 200 validation puzzles of seed 1 (the report uses seed 0): this project's README, Results.
   config.sampler.acceptance = "confidence"
   config.sampler.confidence_accept = 0.9999
   config.sampler.schedule = "constant"  # the model's own distribution: T < 1 accepts its confident mistakes
