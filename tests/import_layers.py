@@ -13,7 +13,7 @@ import pathlib
 
 # Layer of each unit (a subpackage, or a top-level module) of the package: imports go strictly downwards.
 LAYERS = {
-    "_files": 0, "parallel": 0,
+    "_files": 0, "timing": 0, "parallel": 0,  # timing: timers, in-run peaks, provenance (imports JAX only)
     "model": 1,
     "diffusion": 2,
     "data": 3, "convert": 3,
@@ -22,7 +22,6 @@ LAYERS = {
     "serving": 6,  # above chat: it serves conversations in the chat format
     "build": 7,
 }
-LAYERS["timing"] = 0  # timers, in-run machine peaks and provenance (imports JAX only)
 
 # Rank of each area of the tree (an area: the package, each project `projects.<name>`, and each other top-level
 # folder); an area imports only areas of lower rank, so projects never import benchmarks and two projects never
