@@ -46,6 +46,7 @@ from diffusiongemma.sampling import stats
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (checkpoints, tokenizer).")
+_COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model.")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
@@ -145,7 +146,7 @@ def _infill(sampler, tokenizer, max_new: int):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  dg.parallel.enable_compilation_cache(_WORKDIR.value)
+  dg.parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config
