@@ -85,8 +85,14 @@ def read_bytes(path: os.PathLike | str, max_bytes: int) -> bytes:
   regular_file_size(path, max_bytes)
   fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
   with os.fdopen(fd, "rb") as f:
-    _check_stat(path, os.fstat(fd), max_bytes)
-    data = f.read(max_bytes + 1)
+    info = os.fstat(fd)
+    _check_stat(path, info, max_bytes)
+    data = f.read(info.st_size + 1)  # read(n) allocates n bytes: the size, not the cap
+    if len(data) > info.st_size or not data:  # it grew, or its size is unknown (a /proc file reads as 0)
+      grown = bytearray(data)
+      while len(grown) <= max_bytes and (chunk := f.read(2**20)):
+        grown += chunk
+      data = bytes(grown)
   if len(data) > max_bytes:
     raise BadFileError(f"{path} grew past {max_bytes:,} bytes while it was read.")
   return data
