@@ -13,8 +13,9 @@ import os
 import pathlib
 import shutil
 import sys
+import tracemalloc
 
-import flax
+import flax.linen
 import jax
 import ml_collections
 import numpy as np
@@ -270,11 +271,35 @@ def test_a_model_larger_than_memory_is_refused_before_anything_is_read(good, mon
     dg.convert.load_hf(good, dtype="float32")
 
 
-def test_expected_shapes_come_from_one_layer_of_each_kind():
-  """`_our_shapes` builds one layer per kind, not the model; it must give the model's own shapes."""
-  cfg = CFG.replace(num_layers=5, layer_types=("sliding", "full", "sliding", "sliding", "full"))
-  want = {path: leaf.shape for path, leaf in flax.traverse_util.flatten_dict(transformer.abstract_params(cfg)).items()}
-  assert hf._our_shapes(cfg) == want  # pylint: disable=protected-access
+@pytest.mark.parametrize("changes", [
+    {}, {"quantize": "int8"},
+    {"vision": dg.model.config.VisionConfig(hidden_size=16, intermediate_size=16, num_layers=3, num_heads=2,
+                                            num_kv_heads=2, head_dim=8, patch_size=4, pooling_kernel_size=2,
+                                            position_embedding_size=16),
+     "image_id": 380, "begin_image_id": 381, "end_image_id": 382}])
+def test_abstract_params_from_one_layer_of_each_kind_are_the_models(changes):
+  """`abstract_params` traces one layer per kind (what lets a 1000-layer config fail in a second): it must
+  give exactly the shapes and dtypes of the whole model's init."""
+  cfg = CFG.replace(num_layers=5, layer_types=("sliding", "full", "sliding", "sliding", "full"), **changes)
+  model, tokens = dg.DiffusionGemma(cfg), jax.ShapeDtypeStruct((1, 1), np.int32)
+  want = flax.linen.unbox(jax.eval_shape(model.init, jax.random.key(0), tokens, tokens)["params"])
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), transformer.abstract_params(cfg)) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), want)
+
+
+def test_a_bounded_read_allocates_the_file_not_the_cap(tmp_path):
+  """read(n) allocates n bytes: a 2-byte file read under the 64 MiB cap of an index must not take 64 MiB."""
+  (tmp_path / "index.json").write_text("{}")
+  tracemalloc.start()
+  try:
+    assert _files.read_json(tmp_path / "index.json", _files.INDEX_MAX_BYTES) == {}
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 2**20
+  (tmp_path / "status.json").symlink_to("/proc/self/status")  # a regular file that reports size 0
+  with pytest.raises(_files.BadFileError, match=r"status\.json is not valid JSON: Expecting value at line 1"):
+    _files.read_json(tmp_path / "status.json")
 
 
 # --- a training workdir ----------------------------------------------------------------------------------

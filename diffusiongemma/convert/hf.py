@@ -12,7 +12,6 @@ table is in `convert/vision.py`), and skipped otherwise (e.g. `load_hf(path, vis
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -241,22 +240,10 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
 
 
 def _our_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """Every parameter's shape in our layout, without building the model of `cfg`: a layer's shapes depend only
-  on its kind (sliding or full), a vision layer's on nothing, so an abstract model with one layer of each kind
-  gives them all, as fast for 10,000 layers as for 2 (a config is checked before anything is built)."""
-  kinds = tuple(t for t in (SLIDING, FULL) if t in cfg.layer_types)
-  vision = None if cfg.vision is None else dataclasses.replace(cfg.vision, num_layers=1)
-  template = cfg.replace(num_layers=len(kinds), layer_types=kinds, quantize="none", vision=vision)
-  shapes = {}
-  for path, leaf in traverse_util.flatten_dict(transformer.abstract_params(template)).items():
-    if path[0].startswith("layer_"):
-      kind = kinds[int(path[0].removeprefix("layer_"))]
-      shapes.update({(f"layer_{i}",) + path[1:]: leaf.shape for i, t in enumerate(cfg.layer_types) if t == kind})
-    elif path[:2] == ("vision_tower", "layer_0"):
-      shapes.update({("vision_tower", f"layer_{i}") + path[2:]: leaf.shape for i in range(cfg.vision.num_layers)})
-    else:
-      shapes[path] = leaf.shape
-  return shapes
+  """Every float parameter's shape in our layout (`transformer.abstract_params`: no model of `cfg`'s depth is
+  built, so a config is checked in a second whatever its number of layers)."""
+  params = transformer.abstract_params(cfg.replace(quantize="none"))
+  return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(params).items()}
 
 
 def _checkpoint_shape(entry: _Entry, shapes) -> tuple[int, ...]:
