@@ -92,7 +92,7 @@ def chat_sampler(workdir, config=None, *, tokenizer=None, preset: str = "default
   if config is None:
     raise FileNotFoundError(f"{workdir} has no saved config.json: pass the run's config.")
   if tokenizer is None:
-    if not (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():
+    if not _files.present(workdir / hf_tokenizer.TOKENIZER_JSON):
       raise ValueError(
           f"Cannot chat with the workdir {str(workdir)!r}: its tokenizer is this project's sentencepiece model, "
           f"which has none of the Gemma 4 control tokens {list(hf_tokenizer.REQUIRED_CONTROL_TOKENS)}, and a "
