@@ -187,13 +187,14 @@ class Fields:
     return value
 
   def integer(self, name: str, default: Any = _REQUIRED, *, minimum: int = 1, maximum: int = INT32_MAX) -> int:
-    """An integer in [minimum, maximum] (by default a positive int32: a size, a count)."""
-    return self._typed(name, default, lambda v: type(v) is int and minimum <= v <= maximum,  # pylint: disable=unidiomatic-typecheck
-                       f"an integer in [{minimum}, {maximum}]")
+    """An integer in [minimum, maximum] (by default a positive int32: a size, a count); not a bool."""
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= maximum
+    return self._typed(name, default, ok, f"an integer in [{minimum}, {maximum}]")
 
   def number(self, name: str, default: Any = _REQUIRED) -> float:
-    """A finite number (an integer or a float)."""
-    return self._typed(name, default, lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number")  # pylint: disable=unidiomatic-typecheck
+    """A finite number (an integer or a float; not a bool)."""
+    ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return self._typed(name, default, ok, "a finite number")
 
   def string(self, name: str, default: Any = _REQUIRED) -> str:
     return self._typed(name, default, lambda v: isinstance(v, str), "a string")

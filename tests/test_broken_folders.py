@@ -36,7 +36,8 @@ CFG = dg.ModelConfig(vocab_size=chat_fixtures.VOCAB_SIZE, hidden_size=32, num_la
                      num_heads=2, num_kv_heads=1, head_dim=16, num_full_kv_heads=1, full_head_dim=32, sliding_window=8,
                      intermediate_size=64, num_experts=4, top_k=2, moe_intermediate_size=32, canvas_length=8,
                      max_positions=256)
-Q_PROJ = "model.decoder.layers.0.self_attn.q_proj.weight"  # [N*H, D] = [32, 32]
+Q_PROJ = "model.decoder.layers.0.self_attn.q_proj.weight"  # [N*H, D] = [32, 32]: square, so a transposed copy
+# would fit and load (what a header shows, shape and dtype, is checked; a layout that fits cannot be told apart)
 LIMIT = pytest.mark.timeout(30)
 
 
@@ -154,6 +155,8 @@ CASES = {
                                    r"config\.json is a broken symlink \(to 'nowhere\.json'\)"),
     "config is a sparse 8 MiB": (_sparse("config.json", _files.JSON_MAX_BYTES + 1), BAD,
                                  r"config\.json is 8,388,609 bytes, more than the 8,388,608"),
+    "config nested 100,000 deep": (_write("config.json", "[" * 100_000), BAD,
+                                   r"config\.json is not JSON this reader accepts: maximum recursion depth"),
     "config is a list": (_write("config.json", "[1, 2]"), BAD, r"config\.json holds a JSON array; expected an object"),
     "vocab_size is a string": (_text_config(vocab_size="384"), BAD,
                                r"config\.json: text_config\.vocab_size is '384' \(a JSON string\); expected an "
@@ -166,7 +169,8 @@ CASES = {
                             r"text_config\.rms_norm_eps is nan .*expected a finite number"),
     "1000 layers, 2 in the checkpoint": (
         _text_config(num_hidden_layers=1000, layer_types=["sliding_attention", "full_attention"] * 500,
-                     per_layer_config={f"{i:03d}": {"head_dim": 32, "num_key_value_heads": 1} for i in range(1, 1000, 2)}),
+                     per_layer_config={f"{i:03d}": {"head_dim": 32, "num_key_value_heads": 1}
+                                       for i in range(1, 1000, 2)}),
         KeyError, r"has no tensor model\.decoder\.layers\.2\.self_attn\.q_proj\.weight"),
     "layer count differs from layer_types": (_text_config(num_hidden_layers=3), BAD,
                                              r"config\.json: .*layer_types.*needs one entry per layer \(num_layers=3\)"
@@ -232,7 +236,8 @@ CASES = {
     "generation_config.json is a symlink to /dev/zero": (_symlink("generation_config.json", "/dev/zero"), BAD,
                                                          r"generation_config\.json is a character device"),
     "generation_config.json is not JSON": (_write("generation_config.json", '{"t_min": 0.4'), BAD,
-                                           r"generation_config\.json is not valid JSON: Expecting ',' delimiter at line 1 column 14"),
+                                           r"generation_config\.json is not valid JSON: Expecting ',' delimiter at "
+                                           r"line 1 column 14"),
 }
 
 

@@ -11,8 +11,8 @@ pairs of a JSONL file), or a module of the installed `projects` package (`projec
 
 where `data` is `config.data` as a plain dict. So a project adds a task without a line here. A config read
 back from a workdir names its task too, so nothing else is ever imported: a module path outside the installed
-projects package is refused by name. Everything is validated before anything is written to the workdir, so a bad config fails with a
-message naming the field and loses nothing.
+projects package is refused by name. Everything is validated before anything is written to the workdir, so
+a bad config fails with a message naming the field and loses nothing.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ from diffusiongemma import _files
 from diffusiongemma import parallel
 from diffusiongemma.convert import shards
 from diffusiongemma.model import quantize
-from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 from diffusiongemma.model import transformer
+from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 from diffusiongemma.model.transformer import DiffusionGemma
 
 _DECODER = "model.decoder."
@@ -141,12 +141,12 @@ def _per_layer_config(text: _files.Fields, layer_types: list[str]) -> dict[int, 
   for key in table.values:
     text_key = str(key)
     if isinstance(key, bool) or not (isinstance(key, int) or text_key.isascii() and text_key.isdigit()):
-      raise table.error(f"key {key!r}", f"is not a layer index; {allowed}.")
+      raise text.error("per_layer_config", f"key {key!r} is not a layer index; {allowed}.")
     index = int(key)
     if not 0 <= index < num_layers:
-      raise table.error(f"key {key!r}", f"is out of range; {allowed}.")
+      raise text.error("per_layer_config", f"key {key!r} is out of range; {allowed}.")
     if index in parsed:
-      raise table.error(f"key {key!r}", f"names layer {index} twice; {allowed}.")
+      raise text.error("per_layer_config", f"key {key!r} names layer {index} twice; {allowed}.")
     overrides = table.mapping(key)
     kept = _FULL_LAYER_OVERRIDES if layer_types[index] == FULL else ()
     for name, value in overrides.values.items():
@@ -161,7 +161,8 @@ def _per_layer_config(text: _files.Fields, layer_types: list[str]) -> dict[int, 
 
 # ModelConfig fields under their config.json names, for errors found once the ModelConfig is built.
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-             "num_kv_heads": "num_key_value_heads", "top_k": "top_k_experts", "max_positions": "max_position_embeddings",
+             "num_kv_heads": "num_key_value_heads", "top_k": "top_k_experts",
+             "max_positions": "max_position_embeddings",
              "pad_id": "pad_token_id", "eos_id": "eos_token_id", "bos_id": "bos_token_id",
              "num_full_kv_heads": "per_layer_config (num_key_value_heads of the full layers)",
              "full_head_dim": "per_layer_config (head_dim of the full layers)", "image_id": "image_token_id",
