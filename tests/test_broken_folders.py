@@ -361,6 +361,20 @@ def test_reading_a_workdir_without_a_tokenizer_says_how_to_make_one_and_writes_n
   assert not any(tmp_path.iterdir())
 
 
+def test_training_still_trains_the_tokenizer_of_a_fresh_workdir(tmp_path):
+  """What reads refuse, training does (scripts/train.py on a new workdir): the tokenizer is trained into it."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  for i in range(10):
+    (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n  return x + {i}  # {i * 7}\n" * 30)
+  config = load_config_file(ROOT / "configs" / "tiny.py")
+  config.data.corpus, config.data.vocab_size = str(corpus), 300
+  workdir = tmp_path / "workdir"
+  dg.build.train_task(config, workdir).datasets("train")
+  assert (workdir / "tokenizer.model").is_file()
+  assert dg.build.tokenizer(config, workdir).vocab_size <= 300  # which reads then find
+
+
 @LIMIT
 @pytest.mark.parametrize("content, match", [
     ("{", r"config\.json is not valid JSON: Expecting property name enclosed in double quotes at line 1 column 2"),
