@@ -1,7 +1,35 @@
-"""File helpers shared across the package."""
+"""File helpers shared across the package: atomic writes, and bounded reads of the files a checkpoint folder
+or a training workdir holds.
 
+A folder someone handed you may hold anything under a familiar name: a FIFO (opening it would block), a
+symlink to `/dev/zero` (reading it never ends), a sparse 20 GB file, bytes that are not JSON. Every read of
+such a file goes through `read_bytes`: it follows symlinks (the hugging-face hub cache is made of them) but
+only to a regular file, no larger than a cap suited to the file's kind, and opens it without blocking.
+`read_json` adds the parse, with the file and the position of the first error; `Fields` reads typed fields
+of a JSON object, naming the file and the field. All raise `BadFileError` (a ValueError) naming the file;
+a missing file stays `FileNotFoundError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
 import os
 import pathlib
+import stat
+from collections.abc import Mapping
+from typing import Any
+
+JSON_MAX_BYTES = 8 * 2**20  # a config: config.json, generation_config.json, tokenizer_config.json, ...
+INDEX_MAX_BYTES = 64 * 2**20  # model.safetensors.index.json of a model with very many tensors
+TOKENIZER_MAX_BYTES = 512 * 2**20  # tokenizer.json / tokenizer.model (Gemma's tokenizer.json: ~30 MB)
+INT32_MAX = 2**31 - 1
+
+
+class BadFileError(ValueError):
+  """A file that cannot be read as what it should be (not a regular file, too large, malformed); the
+  message names the file and, where there is one, the field or key."""
 
 
 def atomic_write(path: os.PathLike | str, data: bytes | str) -> None:
@@ -11,3 +39,173 @@ def atomic_write(path: os.PathLike | str, data: bytes | str) -> None:
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
   os.replace(tmp, path)
+
+
+def present(path: os.PathLike | str) -> bool:
+  """Whether anything is at `path`, a broken symlink or a FIFO included: such a file is then read (and
+  refused by `read_bytes`) instead of being skipped as absent."""
+  return os.path.lexists(path)
+
+
+def _kind(mode: int) -> str:
+  for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                     (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    if test(mode):
+      return name
+  return "not a regular file"
+
+
+def regular_file_size(path: os.PathLike | str, max_bytes: int) -> int:
+  """The size of `path` (symlinks followed), after checking it is a regular file of at most `max_bytes`."""
+  path = pathlib.Path(path)
+  try:
+    info = os.stat(path)
+  except FileNotFoundError:
+    if os.path.lexists(path):
+      raise BadFileError(f"{path} is a broken symlink (to {os.readlink(path)!r}).") from None
+    raise FileNotFoundError(f"{path} does not exist.") from None
+  _check_stat(path, info, max_bytes)
+  return info.st_size
+
+
+def _check_stat(path: pathlib.Path, info: os.stat_result, max_bytes: int) -> None:
+  if not stat.S_ISREG(info.st_mode):
+    link = f" (a symlink to {os.readlink(path)!r})" if os.path.islink(path) else ""
+    raise BadFileError(f"{path} is {_kind(info.st_mode)}{link}, not a regular file.")
+  if info.st_size > max_bytes:
+    raise BadFileError(f"{path} is {info.st_size:,} bytes, more than the {max_bytes:,} a file of its kind may "
+                       "hold.")
+
+
+def read_bytes(path: os.PathLike | str, max_bytes: int) -> bytes:
+  """The bytes of the regular file `path` (symlinks followed), refused when it is anything else or larger
+  than `max_bytes`. It is opened without blocking and checked again once open, so a FIFO or a device put
+  there in between is refused too."""
+  path = pathlib.Path(path)
+  regular_file_size(path, max_bytes)
+  fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+  with os.fdopen(fd, "rb") as f:
+    info = os.fstat(fd)
+    _check_stat(path, info, max_bytes)
+    data = f.read(info.st_size + 1)  # read(n) allocates n bytes: the size, not the cap
+    if len(data) > info.st_size or not data:  # it grew, or its size is unknown (a /proc file reads as 0)
+      grown = bytearray(data)
+      while len(grown) <= max_bytes and (chunk := f.read(2**20)):
+        grown += chunk
+      data = bytes(grown)
+  if len(data) > max_bytes:
+    raise BadFileError(f"{path} grew past {max_bytes:,} bytes while it was read.")
+  return data
+
+
+def read_text(path: os.PathLike | str, max_bytes: int = JSON_MAX_BYTES) -> str:
+  """`read_bytes` decoded as UTF-8 (an error naming the file and the byte offset otherwise)."""
+  data = read_bytes(path, max_bytes)
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise BadFileError(f"{path} is not UTF-8 text: byte {e.start} is {data[e.start:e.start + 1]!r}.") from None
+
+
+def read_json(path: os.PathLike | str, max_bytes: int = JSON_MAX_BYTES, *, kind: type | None = dict) -> Any:
+  """The JSON value of the file `path` (bounded as `read_bytes`), which must be a `kind` (default an object;
+  None: anything). A parse error names the file, the line and the column."""
+  text = read_text(path, max_bytes)
+  try:
+    value = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise BadFileError(f"{path} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
+                       f"(character {e.pos}).") from None
+  except (ValueError, RecursionError) as e:  # e.g. an integer of 10,000 digits, or 100,000 nested lists
+    raise BadFileError(f"{path} is not JSON this reader accepts: {str(e) or type(e).__name__}.") from None
+  if kind is not None and not isinstance(value, kind):
+    want = "an object" if kind is dict else kind.__name__
+    raise BadFileError(f"{path} holds a JSON {_json_type(value)}; expected {want}.")
+  return value
+
+
+def _json_type(value) -> str:
+  names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+  return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+@contextlib.contextmanager
+def reading(what: str, hint: str = ""):
+  """Any error raised inside becomes a `BadFileError` that starts with `what` (e.g. "checkpoint step 5 of
+  W/checkpoints, item 'state'") and quotes only the first line of the original: orbax and TensorStore
+  errors about a damaged checkpoint run to dozens of lines that name neither the step nor the item."""
+  try:
+    yield
+  except BadFileError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (orbax and TensorStore raise many kinds)
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    first = first if len(first) <= 300 else first[:300] + " ..."
+    raise BadFileError(f"{what} cannot be read ({type(e).__name__}: {first}).{' ' + hint if hint else ''}") from None
+
+
+_REQUIRED = object()
+
+
+class Fields:
+  """Typed reads of the fields of a JSON object from `source` (a file name), for configs read from a folder:
+  every error names the file and the field's dotted path, and what was expected (`BadFileError`).
+
+    text = Fields(values, "ckpt/config.json").mapping("text_config")
+    text.integer("vocab_size")            # a positive integer below 2**31, else an error naming the field
+    text.number("rms_norm_eps", 1e-6)     # a finite number; the default when missing or null
+  """
+
+  def __init__(self, values: Any, source: os.PathLike | str, prefix: str = ""):
+    if not isinstance(values, Mapping):
+      where = f"{prefix.rstrip('.')} is" if prefix else "it holds"
+      raise BadFileError(f"{source}: {where} a JSON {_json_type(values)}; expected an object.")
+    self.values, self.source, self.prefix = values, str(source), prefix
+
+  def error(self, name: str, problem: str) -> BadFileError:
+    """An error naming the file and the field `name`."""
+    return BadFileError(f"{self.source}: {self.prefix}{name} {problem}")
+
+  def __contains__(self, name: str) -> bool:
+    return name in self.values
+
+  def get(self, name: str, default: Any = _REQUIRED) -> Any:
+    """The raw value (`default` when missing or null; an error when missing without a default)."""
+    value = self.values.get(name)
+    if value is None:
+      if default is _REQUIRED:
+        raise self.error(name, "is missing.")
+      return default
+    return value
+
+  def _typed(self, name, default, ok, expected):
+    if self.values.get(name) is None:
+      return self.get(name, default)
+    value = self.values[name]
+    if not ok(value):
+      raise self.error(name, f"is {value!r} (a JSON {_json_type(value)}); expected {expected}.")
+    return value
+
+  def integer(self, name: str, default: Any = _REQUIRED, *, minimum: int = 1, maximum: int = INT32_MAX) -> int:
+    """An integer in [minimum, maximum] (by default a positive int32: a size, a count); not a bool."""
+    ok = lambda v: isinstance(v, int) and not isinstance(v, bool) and minimum <= v <= maximum
+    return self._typed(name, default, ok, f"an integer in [{minimum}, {maximum}]")
+
+  def number(self, name: str, default: Any = _REQUIRED) -> float:
+    """A finite number (an integer or a float; not a bool)."""
+    ok = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return self._typed(name, default, ok, "a finite number")
+
+  def string(self, name: str, default: Any = _REQUIRED) -> str:
+    return self._typed(name, default, lambda v: isinstance(v, str), "a string")
+
+  def boolean(self, name: str, default: Any = _REQUIRED) -> bool:
+    return self._typed(name, default, lambda v: isinstance(v, bool), "true or false")
+
+  def strings(self, name: str, default: Any = _REQUIRED) -> list[str]:
+    return self._typed(name, default, lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+                       "a list of strings")
+
+  def mapping(self, name: str) -> Fields:
+    """The object at `name` as Fields (an empty one when missing or null)."""
+    return Fields(self.get(name, {}), self.source, f"{self.prefix}{name}.")

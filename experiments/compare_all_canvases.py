@@ -23,6 +23,7 @@ from diffusiongemma import training
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Each mode trains in a subfolder of this.")
+_COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _BUDGET = flags.DEFINE_float("budget_s", 600.0, "Training seconds per mode.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -32,7 +33,7 @@ MODES = {"one_canvas": False, "all_canvases": True}
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  parallel.enable_compilation_cache(_WORKDIR.value)
+  parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   training.quiet_orbax_logs()
   root = pathlib.Path(_WORKDIR.value)
   results = {}

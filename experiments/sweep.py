@@ -31,6 +31,7 @@ from diffusiongemma import build
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (latest checkpoint).")
+_COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
 _BASELINE = flags.DEFINE_string("baseline_workdir", None, "An AR baseline's workdir: the judge plotted.")
 _BOUNDS = flags.DEFINE_list("entropy_bounds", ["0.01", "0.03", "0.1", "0.3", "1.0"], "Entropy bounds.")
 _STEPS = flags.DEFINE_list("max_steps", ["8", "16", "48"], "Step caps (max_denoising_steps).")
@@ -90,7 +91,7 @@ def _plot(settings: list[dict], judge: str, path: pathlib.Path) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  dg.parallel.enable_compilation_cache(_WORKDIR.value)
+  dg.parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   training.quiet_orbax_logs()
   bounds, steps = _grid(_BOUNDS.value, _STEPS.value)
   evaluation = build.generative_eval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,

@@ -33,6 +33,7 @@ from diffusiongemma.chat import display
 
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (instead of --hf_checkpoint).")
+_COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "With --workdir: the run's config (default: the "
                                           "one it saved).", lock_config=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "With --workdir: a checkpoint folder whose tokenizer to use.")
@@ -97,7 +98,7 @@ def _fail(error: Exception) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  dg.parallel.enable_compilation_cache(_WORKDIR.value)
+  dg.parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   try:
     chat = _chat()
     constraint = _constraint(chat)

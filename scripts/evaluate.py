@@ -27,6 +27,7 @@ from diffusiongemma import training
 _CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir.")
+_COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
 _NUM_BATCHES = flags.DEFINE_integer("num_batches", None,
                                     "Validation batches (default: config.train.eval_batches).")
@@ -42,7 +43,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  parallel.enable_compilation_cache(_WORKDIR.value)
+  parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   training.quiet_orbax_logs()
   results = build.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value, num_batches=_NUM_BATCHES.value)
   if _GENERATIVE.value:

@@ -25,5 +25,5 @@ from diffusiongemma import parallel
 import projects.sudoku.harness  # pylint: disable=unused-import  (registers the `sudoku` adapter)
 
 if __name__ == "__main__":
-  parallel.enable_compilation_cache()  # no workdir here: JAX_COMPILATION_CACHE_DIR, else the user cache
+  parallel.enable_compilation_cache()  # JAX_COMPILATION_CACHE_DIR, else the user cache (no flag: lm-eval parses argv)
   cli_evaluate()  # reads sys.argv; no subcommand means `run`

@@ -46,8 +46,10 @@ from diffusiongemma.sampling import stats
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (checkpoints, tokenizer).")
+_COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
-_RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model.")
+_RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model (and train the workdir's "
+                            "tokenizer if it has none).")
 _PROMPT = flags.DEFINE_multi_string("prompt", [], "A prompt (repeatable).")
 _PROMPT_FILE = flags.DEFINE_string("prompt_file", None, "A file with one prompt per line (\\n escapes).")
 _BATCH = flags.DEFINE_integer("batch_size", 0, "Prompts per batch; 0: all prompts in one batch.")
@@ -96,8 +98,9 @@ def _load():
     raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --config and --workdir.")
   weights = build.load(config, workdir=_WORKDIR.value, random_init=_RANDOM.value, seed=_SEED.value)
   cfg = weights.model_config
-  return (weights, build.tokenizer(config, _WORKDIR.value), build.sampler(config, cfg),
-          build.ar_sampler(config, cfg), _MAX_NEW.value or build.max_new_tokens(config))
+  tokenizer = build.tokenizer(config, _WORKDIR.value, train_if_missing=_RANDOM.value)
+  return (weights, tokenizer, build.sampler(config, cfg), build.ar_sampler(config, cfg),
+          _MAX_NEW.value or build.max_new_tokens(config))
 
 
 def _with_images(prompts: list[list[int]], cfg):
@@ -145,7 +148,7 @@ def _infill(sampler, tokenizer, max_new: int):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  dg.parallel.enable_compilation_cache(_WORKDIR.value)
+  dg.parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config

@@ -31,6 +31,7 @@ from diffusiongemma.sampling import presets
 
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (instead of --hf_checkpoint).")
+_COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _CONFIG = config_flags.DEFINE_config_file("config", None, "With --workdir: the run's config (default: the "
                                           "one it saved).", lock_config=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "With --workdir: a checkpoint folder whose tokenizer to use "
@@ -101,7 +102,7 @@ def main(argv):
   log.propagate = False  # plain JSON lines, not absl's prefixed format
   # Only partly useful here: jax does not store programs with host callbacks, and every sampler program of
   # the server streams its passes (`on_pass`), so warm-up compiles again in each process.
-  parallel.enable_compilation_cache(_WORKDIR.value)
+  parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   sampler, variables, tokenizer, max_new, empty_thought, name = _model()
   engine = serving.Engine(sampler, variables, tokenizer, model_name=_MODEL_NAME.value or name,
                           max_tokens=_MAX_TOKENS.value or max_new or 256, max_tokens_limit=_MAX_TOKENS_LIMIT.value,

@@ -31,6 +31,7 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "projects/sudoku/confi
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (its latest checkpoint); default: the "
                                "shipped weights.")
+_COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _PUZZLES = flags.DEFINE_string("puzzles", None, "Puzzles, one per line (81 chars, 0 or . blank).")
 _OUTPUT = flags.DEFINE_string("output", None, "Where to write one 81-digit solution per puzzle.")
 _AUTOREGRESSIVE = flags.DEFINE_bool("autoregressive", False, "Decode token by token (greedy) instead.")
@@ -56,7 +57,7 @@ def _weights(config, autoregressive: bool):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
-  parallel.enable_compilation_cache(_WORKDIR.value)
+  parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   training.quiet_orbax_logs()
   config = _CONFIG.value
   try:

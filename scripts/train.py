@@ -21,6 +21,7 @@ from diffusiongemma import training
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics, tokenizer and caches go here.")
+_COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0, for a multi-process run (jax.distributed).")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in a multi-process run.")
@@ -32,7 +33,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   parallel.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  parallel.enable_compilation_cache(_WORKDIR.value)
+  parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   training.quiet_orbax_logs()
   build.train(_CONFIG.value, _WORKDIR.value)
 

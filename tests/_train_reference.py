@@ -31,7 +31,7 @@ def main(workdir, out, overrides):
     section, field = key.split(".")
     config[section][field] = type(config[section][field])(value)
   setup = loop._Setup(build.train_task(config, workdir), workdir)  # pylint: disable=protected-access
-  tokenizer = build.tokenizer(config, workdir)
+  tokenizer = build.tokenizer(config, workdir, train_if_missing=True)  # it trains: a fresh workdir
   shards = [iter(build.dataset(config, workdir, "train", shard_index=i, shard_count=2, tok=tokenizer))
             for i in range(2)]
   state = setup.init_state()

@@ -185,9 +185,12 @@ def test_get_tokenizer_trains_once_then_loads(tmp_path):
     calls.append(1)
     return _synthetic_texts()
 
-  first = data.get_tokenizer(tmp_path, corpus_texts_fn=texts_fn, vocab_size=350)
+  with pytest.raises(FileNotFoundError, match="has no tokenizer.model: a training run writes it there"):
+    data.get_tokenizer(tmp_path, corpus_texts_fn=texts_fn, vocab_size=350)  # a read trains nothing
+  assert not calls and not any(tmp_path.iterdir())
+  first = data.get_tokenizer(tmp_path, corpus_texts_fn=texts_fn, vocab_size=350, train_if_missing=True)
   assert (tmp_path / "tokenizer.model").is_file()
-  second = data.get_tokenizer(tmp_path, corpus_texts_fn=texts_fn, vocab_size=350)
+  second = data.get_tokenizer(tmp_path, corpus_texts_fn=texts_fn, vocab_size=350, train_if_missing=True)
   assert len(calls) == 1 and second.serialized == first.serialized
   explicit = data.get_tokenizer(tmp_path / "other", path=tmp_path / "tokenizer.model")
   assert explicit.serialized == first.serialized

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import pathlib
 
+from diffusiongemma import _files
 from diffusiongemma import data as data_lib
 from diffusiongemma.build import models
 from diffusiongemma.build import tasks
@@ -36,7 +37,7 @@ def _workdir_tokenizer(workdir) -> bytes | None:
   saved = weights_lib.workdir_config(workdir)
   if saved is not None:
     path = pathlib.Path(saved.data.get("tokenizer_path") or path)
-  return data_lib.Tokenizer(path).serialized if path.is_file() else None
+  return data_lib.Tokenizer(path).serialized if _files.present(path) else None
 
 
 def generative_eval(config, workdir, *, baseline_workdir=None, num_samples: int = 16, batch_size: int = 8,

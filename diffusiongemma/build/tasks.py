@@ -2,24 +2,27 @@
 `training.Task`.
 
 A task kind is named by `config.data.task`: one of `TASKS` (`lm`: the packed corpus; `sft`: prompt/response
-pairs of a JSONL file), or a module path (`projects.sudoku.task`) whose module defines `TASK`, an object
-with the same two members as the built-ins:
+pairs of a JSONL file), or a module of the installed `projects` package (`projects.sudoku.task`) that defines
+`TASK`, an object with the same two members as the built-ins:
 
   needs_tokenizer: bool
   dataset(data, split, *, tokenizer, canvas_length, batch_size, seed, shard_index, shard_count,
           cache_dir) -> grain.IterDataset
 
-where `data` is `config.data` as a plain dict. So a project outside the package adds a task without a line
-here. Everything is validated before anything is written to the workdir, so a bad config fails with a
-message naming the field and loses nothing.
+where `data` is `config.data` as a plain dict. So a project adds a task without a line here. A config read
+back from a workdir names its task too, so nothing else is ever imported: a module path outside the installed
+projects package is refused by name. Everything is validated before anything is written to the workdir, so
+a bad config fails with a message naming the field and loses nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import math
 import pathlib
+import sys
 from typing import Any
 
 import jax
@@ -76,27 +79,63 @@ class SupervisedPairs:
 TASKS: dict[str, Any] = {"lm": LanguageModelling(), "sft": SupervisedPairs()}
 
 
+# The `projects` package installed with this one (beside it, as setup.py installs both): the only place a
+# task named by a module path may come from. Resolved by location, not by the import path, on which the
+# current folder often comes first (`python -m ...`, notebooks): a config saved in a workdir must never run
+# a file that came with the workdir or lies in the folder the user happens to be in.
+PROJECTS_DIR = pathlib.Path(__file__).resolve().parent.parent.parent / "projects"
+_PROJECTS = "projects"
+
+
+def _within(path, folder: pathlib.Path) -> bool:
+  return path is not None and pathlib.Path(path).resolve().is_relative_to(folder)
+
+
+def _project_task(name: str):
+  """The `TASK` of the module `name` of the installed projects package; anything else refused by name,
+  before anything is imported."""
+  parts = name.split(".")
+  allowed = (f"expected one of {tuple(TASKS)} or a module of the installed projects package "
+             f"({PROJECTS_DIR}), e.g. 'projects.sudoku.task'")
+  if len(parts) < 2 or parts[0] != _PROJECTS or not all(p.isidentifier() for p in parts):
+    raise ValueError(f"Unknown config.data.task {name!r}; {allowed}.")
+  package = sys.modules.get(_PROJECTS)
+  origin = getattr(package, "__file__", None) if package else getattr(importlib.util.find_spec(_PROJECTS),
+                                                                    "origin", None)
+  if not _within(origin, PROJECTS_DIR):
+    raise ValueError(f"config.data.task={name!r}: the 'projects' package on the import path is {origin}, not the "
+                     f"installed one ({PROJECTS_DIR}); refusing to import a task from it.")
+  try:
+    spec = importlib.util.find_spec(name)
+  except ImportError as e:
+    raise ValueError(f"config.data.task={name!r}: cannot import that module ({e}).") from None
+  if spec is None or not _within(spec.origin, PROJECTS_DIR):
+    raise ValueError(f"config.data.task={name!r}: no such module in the installed projects package "
+                     f"({PROJECTS_DIR}); {allowed}.")
+  try:
+    module = importlib.import_module(name)
+  except ImportError as e:
+    raise ValueError(f"config.data.task={name!r}: cannot import that module ({e}).") from None
+  if not hasattr(module, "TASK"):
+    raise ValueError(f"config.data.task={name!r}: the module defines no TASK.")
+  return module.TASK
+
+
 def task_kind(config):
-  """The task object `config.data.task` names (a registry key, or a module path defining `TASK`)."""
+  """The task object `config.data.task` names: a registry key, or a module of the installed `projects`
+  package defining `TASK` (never a module found elsewhere on the import path, see `PROJECTS_DIR`)."""
   name = config.data.get("task", "lm")
-  if name in TASKS:
-    return TASKS[name]
-  if "." in name:
-    try:
-      module = importlib.import_module(name)
-    except ImportError as e:
-      raise ValueError(f"config.data.task={name!r}: cannot import that module ({e}).") from None
-    if not hasattr(module, "TASK"):
-      raise ValueError(f"config.data.task={name!r}: the module defines no TASK.")
-    return module.TASK
-  raise ValueError(f"Unknown config.data.task {name!r}; expected one of {tuple(TASKS)} or a module path "
-                   "(e.g. 'projects.sudoku.task').")
+  if not isinstance(name, str):
+    raise ValueError(f"config.data.task={name!r} is not a task name; expected one of {tuple(TASKS)} or a module "
+                     "path such as 'projects.sudoku.task'.")
+  return TASKS[name] if name in TASKS else _project_task(name)
 
 
-def tokenizer(config, workdir):
-  """The tokenizer of `config` and `workdir` (`config.data.tokenizer_path`, else `workdir/tokenizer.model`,
-  trained on the corpus if missing; None for a task without one), checked against the model vocabulary
-  and the token the noise must never produce. Only process 0 trains it; the others wait for the file."""
+def tokenizer(config, workdir, *, train_if_missing: bool = False):
+  """The tokenizer of `config` and `workdir` (`config.data.tokenizer_path`, else `workdir/tokenizer.model`;
+  None for a task without one), checked against the model vocabulary and the token the noise must never
+  produce. A missing `workdir/tokenizer.model` is an error, unless `train_if_missing` (training: it is
+  trained on the corpus then; only process 0 trains it, the others wait for the file)."""
   if not task_kind(config).needs_tokenizer:
     return None
   model_cfg = models.model_config(config)
@@ -107,8 +146,8 @@ def tokenizer(config, workdir):
   data = config.data.to_dict()
   load = lambda: data_lib.get_tokenizer(workdir, config.data.tokenizer_path or None,
                                         corpus_texts_fn=lambda: _corpus_split(data, "train"),
-                                        vocab_size=vocab_size)
-  if config.data.tokenizer_path:
+                                        vocab_size=vocab_size, train_if_missing=train_if_missing)
+  if config.data.tokenizer_path or not train_if_missing:
     tok = load()
   elif parallel.is_main_process():  # trains workdir/tokenizer.model if missing; the others then read it
     tok = load()
@@ -127,14 +166,14 @@ def tokenizer(config, workdir):
 
 
 def dataset(config, workdir, split: str, *, shard_index: int | None = None, shard_count: int | None = None,
-            tok=None):
+            tok=None, train_tokenizer: bool = False):
   """The grain dataset of this process's shard of `split` (train: shuffled and repeated). Process i of n
   reads shard i of n, with batch_size / n rows per batch; `shard_index` / `shard_count` override that."""
   shard_count = jax.process_count() if shard_count is None else shard_count
   shard_index = jax.process_index() if shard_index is None else shard_index
   kind = task_kind(config)
   if kind.needs_tokenizer and tok is None:
-    tok = tokenizer(config, workdir)
+    tok = tokenizer(config, workdir, train_if_missing=train_tokenizer)
   return kind.dataset(config.data.to_dict(), split, tokenizer=tok,
                       canvas_length=models.model_config(config).canvas_length,
                       batch_size=config.train.batch_size // shard_count, seed=config.train.seed,
@@ -171,8 +210,9 @@ def _check_batch(config) -> None:
                      "devices must hold their own part of the batch (move devices from tensor to data).")
 
 
-def train_task(config, workdir) -> training.Task:
-  """`config` as a `training.Task` for `training.train(task, workdir)`: every section checked first."""
+def train_task(config, workdir, *, train_tokenizer: bool = True) -> training.Task:
+  """`config` as a `training.Task` for `training.train(task, workdir)`: every section checked first. Its
+  datasets train `workdir/tokenizer.model` if it is missing and `train_tokenizer` (training), else refuse."""
   model_cfg = models.model_config(config)
   if model_cfg.quantize != "none":
     raise ValueError(f"config.model.quantize={model_cfg.quantize!r} is for inference: int8 weights get no "
@@ -192,7 +232,8 @@ def train_task(config, workdir) -> training.Task:
                      f"exceeds model.max_positions={model_cfg.max_positions}.")
   return training.Task(
       model_config=model_cfg, loss=loss_cfg, optimizer=optimizer, loop=loop,
-      datasets=lambda split: dataset(config, workdir, split), sequence_length=length,
+      datasets=lambda split: dataset(config, workdir, split, train_tokenizer=train_tokenizer),
+      sequence_length=length,
       num_canvases=config.data.num_canvases, mesh=dict(config.mesh), lora=lora_config(config),
       init_from=config.train.get("init_from", ""), description=config_lib.to_json(config),
       description_defaults=config_lib.to_json(config_lib.base_config()))
@@ -205,4 +246,4 @@ def train(config, workdir):
 
 def evaluate(config, workdir, **kwargs):
   """`training.evaluate(train_task(config, workdir), workdir, ...)`: what scripts/evaluate.py runs."""
-  return training.evaluate(train_task(config, workdir), workdir, **kwargs)
+  return training.evaluate(train_task(config, workdir, train_tokenizer=False), workdir, **kwargs)

@@ -3,12 +3,12 @@ folder, or a random initialisation; and a chat session of a training workdir."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import jax
 import ml_collections
 
+from diffusiongemma import _files
 from diffusiongemma import convert
 from diffusiongemma import training
 from diffusiongemma.build import models
@@ -69,11 +69,12 @@ def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
 
 
 def workdir_config(workdir):
-  """The config a training run saved in `workdir/config.json` (a ConfigDict), or None."""
+  """The config a training run saved in `workdir/config.json` (a ConfigDict), or None when there is none.
+  It is only data: a task it names resolves as `tasks.task_kind` allows, nothing else is imported."""
   path = pathlib.Path(workdir) / training.checkpoint.CONFIG_FILENAME
-  if not path.is_file():
+  if not _files.present(path):
     return None
-  return ml_collections.ConfigDict(json.loads(path.read_text()))
+  return ml_collections.ConfigDict(_files.read_json(path))
 
 
 def chat_sampler(workdir, config=None, *, tokenizer=None, preset: str = "default",
@@ -91,7 +92,7 @@ def chat_sampler(workdir, config=None, *, tokenizer=None, preset: str = "default
   if config is None:
     raise FileNotFoundError(f"{workdir} has no saved config.json: pass the run's config.")
   if tokenizer is None:
-    if not (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():
+    if not _files.present(workdir / hf_tokenizer.TOKENIZER_JSON):
       raise ValueError(
           f"Cannot chat with the workdir {str(workdir)!r}: its tokenizer is this project's sentencepiece model, "
           f"which has none of the Gemma 4 control tokens {list(hf_tokenizer.REQUIRED_CONTROL_TOKENS)}, and a "

@@ -26,11 +26,12 @@ holds back a trailing fragment that could still become a control token (e.g. `<|
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import pathlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
+
+from diffusiongemma import _files
 
 TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"
 THINK = "<|think|>"
@@ -125,12 +126,15 @@ def template_prefills_empty_thought(folder: os.PathLike | str) -> bool:
   """
   folder = pathlib.Path(folder)
   template = ""
-  if (folder / "chat_template.jinja").is_file():
-    template = (folder / "chat_template.jinja").read_text()
-  elif (folder / "tokenizer_config.json").is_file():
-    template = json.loads((folder / "tokenizer_config.json").read_text()).get("chat_template") or ""
+  if _files.present(folder / "chat_template.jinja"):
+    template = _files.read_text(folder / "chat_template.jinja")
+  elif _files.present(folder / "tokenizer_config.json"):
+    template = _files.read_json(folder / "tokenizer_config.json").get("chat_template") or ""
     if isinstance(template, list):  # [{"name": ..., "template": ...}]
-      template = " ".join(t.get("template", "") for t in template)
+      template = " ".join(t.get("template", "") for t in template if isinstance(t, dict))
+    if not isinstance(template, str):
+      raise _files.BadFileError(f"{folder / 'tokenizer_config.json'}: chat_template is {template!r}; expected a "
+                                "string or a list of {'name': ..., 'template': ...} objects.")
   return EMPTY_THOUGHT.replace("\n", "\\n") in template or EMPTY_THOUGHT in template
 
 

@@ -14,23 +14,27 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import pathlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from absl import logging
+from flax import traverse_util
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from diffusiongemma import _files
 from diffusiongemma import parallel
+from diffusiongemma.convert import shards
 from diffusiongemma.convert import vision as _vision
 from diffusiongemma.convert.layout import _Entry, _identity, _linear, _mlp, _output_projection
 from diffusiongemma.model import quantize
+from diffusiongemma.model import transformer
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 from diffusiongemma.model.transformer import DiffusionGemma
 
@@ -91,7 +95,7 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
 _FULL_LAYER_OVERRIDES = ("head_dim", "num_key_value_heads")  # what a full layer's entry may change
 
 
-def _per_layer_config(text: Mapping[str, Any], layer_types: list[str]) -> dict[int, dict[str, Any]]:
+def _per_layer_config(text: _files.Fields, layer_types: list[str]) -> dict[int, dict[str, Any]]:
   """`text_config.per_layer_config` keyed by layer index (int), validated.
 
   transformers writes the keys as strings zero-padded to the widest index ("05", "11" once a model has 10
@@ -102,108 +106,183 @@ def _per_layer_config(text: Mapping[str, Any], layer_types: list[str]) -> dict[i
   """
   num_layers = len(layer_types)
   allowed = f"layer indices are integers in [0, {num_layers}) (num_hidden_layers={num_layers})"
+  table = text.mapping("per_layer_config")
   parsed: dict[int, dict[str, Any]] = {}
-  for key, overrides in (text.get("per_layer_config") or {}).items():
+  for key in table.values:
     text_key = str(key)
     if isinstance(key, bool) or not (isinstance(key, int) or text_key.isascii() and text_key.isdigit()):
-      raise ValueError(f"config.json: per_layer_config key {key!r} is not a layer index; {allowed}.")
+      raise text.error("per_layer_config", f"key {key!r} is not a layer index; {allowed}.")
     index = int(key)
     if not 0 <= index < num_layers:
-      raise ValueError(f"config.json: per_layer_config key {key!r} is out of range; {allowed}.")
+      raise text.error("per_layer_config", f"key {key!r} is out of range; {allowed}.")
     if index in parsed:
-      raise ValueError(f"config.json: per_layer_config names layer {index} twice (key {key!r}); {allowed}.")
-    overrides = dict(overrides or {})
+      raise text.error("per_layer_config", f"key {key!r} names layer {index} twice; {allowed}.")
+    overrides = table.mapping(key)
     kept = _FULL_LAYER_OVERRIDES if layer_types[index] == FULL else ()
-    for name, value in overrides.items():
-      if name not in kept and (name not in text or value != text[name]):
-        raise ValueError(f"config.json: per_layer_config[{key!r}] sets {name}={value!r} on a "
-                         f"{layer_types[index]} layer, which this converter cannot represent (a full layer may "
-                         f"override {list(_FULL_LAYER_OVERRIDES)}; a sliding layer nothing).")
-    parsed[index] = {k: v for k, v in overrides.items() if k in kept}
+    for name, value in overrides.values.items():
+      if name not in kept and (name not in text or value != text.values[name]):
+        raise _files.BadFileError(
+            f"{text.source}: per_layer_config[{key!r}] sets {name}={value!r} on a {layer_types[index]} layer, "
+            f"which this converter cannot represent (a full layer may override {list(_FULL_LAYER_OVERRIDES)}; "
+            "a sliding layer nothing).")
+    parsed[index] = {k: overrides.integer(k) for k in overrides.values if k in kept}
   return parsed
 
 
-def config_from_hf(hf_config: dict[str, Any], **overrides) -> ModelConfig:
-  """Our ModelConfig from a transformers DiffusionGemma config.json (its dict)."""
-  text = hf_config.get("text_config", hf_config)
+# ModelConfig fields under their config.json names, for errors found once the ModelConfig is built.
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "num_kv_heads": "num_key_value_heads", "top_k": "top_k_experts",
+             "max_positions": "max_position_embeddings",
+             "pad_id": "pad_token_id", "eos_id": "eos_token_id", "bos_id": "bos_token_id",
+             "num_full_kv_heads": "per_layer_config (num_key_value_heads of the full layers)",
+             "full_head_dim": "per_layer_config (head_dim of the full layers)", "image_id": "image_token_id",
+             "begin_image_id": "boi_token_id", "end_image_id": "eoi_token_id"}
+
+
+def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "config.json",
+                   **overrides) -> ModelConfig:
+  """Our ModelConfig from a transformers DiffusionGemma config.json (its dict, read from `source`).
+
+  Every field is checked for its type and range before it is used (sizes and counts are positive int32s,
+  token ids non-negative ones), and the ModelConfig checks how they fit together (one layer type per layer,
+  heads divisible by key/value heads, ...): every error names `source` and the config.json field.
+  """
+  top = _files.Fields(hf_config, source)
+  text = top.mapping("text_config") if top.get("text_config", None) is not None else top
   layer_types = []
-  for t in text["layer_types"]:
+  for t in text.strings("layer_types"):
     if t not in _LAYER_TYPES:
-      raise ValueError(f"Unsupported layer type {t!r} in config.json; supported: {sorted(_LAYER_TYPES)}.")
+      raise text.error("layer_types", f"holds {t!r}; supported: {sorted(_LAYER_TYPES)}.")
     layer_types.append(_LAYER_TYPES[t])
   per_layer = _per_layer_config(text, layer_types)
   full_layers = [i for i, t in enumerate(layer_types) if t == FULL]
   full = per_layer.get(full_layers[0], {}) if full_layers else {}
   for i in full_layers[1:]:
     if per_layer.get(i, {}) != full:
-      raise ValueError(f"Full-attention layers must share one shape; per_layer_config[{i}]={per_layer.get(i)} "
-                       f"differs from layer {full_layers[0]}'s {full}.")
-  rope = text.get("rope_parameters") or {}
-  sliding_rope = rope.get("sliding_attention", {})
-  full_rope = rope.get("full_attention", {})
-  for name, params, allowed in (("sliding_attention", sliding_rope, ("default",)),
-                                ("full_attention", full_rope, ("proportional", "default"))):
-    if params.get("rope_type", "default") not in allowed:
-      raise ValueError(f"Unsupported rope_type {params.get('rope_type')!r} for {name}; supported: {allowed}.")
+      raise _files.BadFileError(f"{source}: full-attention layers must share one shape; per_layer_config[{i}]="
+                                f"{per_layer.get(i)} differs from layer {full_layers[0]}'s {full}.")
+  rope = text.mapping("rope_parameters")
+  sliding_rope = rope.mapping("sliding_attention")
+  full_rope = rope.mapping("full_attention")
+  for params, allowed in ((sliding_rope, ("default",)), (full_rope, ("proportional", "default"))):
+    if params.string("rope_type", "default") not in allowed:
+      raise params.error("rope_type", f"is {params.values['rope_type']!r}; supported: {allowed}.")
   eos = text.get("eos_token_id", 1)
+  eos = eos[0] if isinstance(eos, list) and eos else eos  # several stop ids: the first is the model's eos
+  token_id = lambda fields, name, default: fields.integer(name, default, minimum=0)
+  softcap = text.values.get("final_logit_softcapping", 30.0)
   values = dict(
-      vocab_size=text["vocab_size"],
-      hidden_size=text["hidden_size"],
-      num_layers=text["num_hidden_layers"],
+      vocab_size=text.integer("vocab_size"),
+      hidden_size=text.integer("hidden_size"),
+      num_layers=text.integer("num_hidden_layers"),
       layer_types=tuple(layer_types),
-      num_heads=text["num_attention_heads"],
-      num_kv_heads=text["num_key_value_heads"],
-      head_dim=text["head_dim"],
-      num_full_kv_heads=full.get("num_key_value_heads", text["num_key_value_heads"]),
-      full_head_dim=full.get("head_dim", text["head_dim"]),
+      num_heads=text.integer("num_attention_heads"),
+      num_kv_heads=text.integer("num_key_value_heads"),
+      head_dim=text.integer("head_dim"),
+      num_full_kv_heads=full.get("num_key_value_heads", text.integer("num_key_value_heads")),
+      full_head_dim=full.get("head_dim", text.integer("head_dim")),
       full_k_eq_v=True,  # transformers' full layers have no v_proj
-      sliding_window=text["sliding_window"],
-      rope_theta=sliding_rope.get("rope_theta", 10_000.0),
-      full_rope_theta=full_rope.get("rope_theta", 1_000_000.0),
-      full_partial_rotary_factor=full_rope.get("partial_rotary_factor", 1.0),
-      intermediate_size=text["intermediate_size"],
-      num_experts=text["num_experts"],
-      top_k=text["top_k_experts"],
-      moe_intermediate_size=text["moe_intermediate_size"],
-      canvas_length=hf_config.get("canvas_length", 256),
-      final_logit_softcap=text.get("final_logit_softcapping", 30.0),
-      max_positions=text.get("max_position_embeddings", 131_072),
-      rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-      pad_id=text.get("pad_token_id", 0) or 0,
-      eos_id=eos[0] if isinstance(eos, list) else eos,
-      bos_id=text.get("bos_token_id", 2),
+      sliding_window=text.integer("sliding_window"),
+      rope_theta=sliding_rope.number("rope_theta", 10_000.0),
+      full_rope_theta=full_rope.number("rope_theta", 1_000_000.0),
+      full_partial_rotary_factor=full_rope.number("partial_rotary_factor", 1.0),
+      intermediate_size=text.integer("intermediate_size"),
+      num_experts=text.integer("num_experts"),
+      top_k=text.integer("top_k_experts"),
+      moe_intermediate_size=text.integer("moe_intermediate_size"),
+      canvas_length=top.integer("canvas_length", 256),
+      final_logit_softcap=None if softcap is None else text.number("final_logit_softcapping", 30.0),
+      max_positions=text.integer("max_position_embeddings", 131_072),
+      rms_norm_eps=text.number("rms_norm_eps", 1e-6),
+      pad_id=token_id(text, "pad_token_id", 0),
+      eos_id=token_id(_files.Fields({"eos_token_id": eos}, source, text.prefix), "eos_token_id", 1),
+      bos_id=token_id(text, "bos_token_id", 2),
   )
-  values.update(_vision.config_from_hf(hf_config, text["vocab_size"]))
+  values.update(_vision.config_from_hf(top, values["vocab_size"]))
   values.update(overrides)
-  return ModelConfig(**values)
+  try:
+    return ModelConfig(**values)
+  except ValueError as e:
+    field = str(e).split("=", 1)[0].removeprefix("ModelConfig.")
+    if field in overrides:  # the caller's value, not the file's
+      raise
+    name = _HF_NAMES.get(field, field)
+    raise _files.BadFileError(f"{source}: {e} (config.json field: {text.prefix}{name})") from None
 
 
-class _Checkpoint:
-  """Reads tensors one at a time from a folder of (possibly sharded) safetensors files."""
+def _our_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """Every float parameter's shape in our layout (`transformer.abstract_params`: no model of `cfg`'s depth is
+  built, so a config is checked in a second whatever its number of layers)."""
+  params = transformer.abstract_params(cfg.replace(quantize="none"))
+  return {path: leaf.shape for path, leaf in traverse_util.flatten_dict(params).items()}
 
-  def __init__(self, path: pathlib.Path):
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-      weight_map = json.loads(index.read_text())["weight_map"]
-    else:
-      files = sorted(path.glob("*.safetensors"))
-      if not files:
-        others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt*"))
-        raise FileNotFoundError(f"{path} holds no weights: no *.safetensors files"
-                                + (f" (only {others}; convert them to safetensors)." if others else "."))
-      weight_map = {}
-      for f in files:
-        with safe_open(f, "numpy") as handle:
-          weight_map.update({k: f.name for k in handle.keys()})
-    self.path, self.weight_map, self._handles = path, weight_map, {}
 
-  def get(self, key: str) -> np.ndarray:
-    name = self.weight_map[key]
-    if name not in self._handles:
-      if not (self.path / name).is_file():
-        raise FileNotFoundError(f"{self.path}/model.safetensors.index.json puts {key} in {name}, which is missing.")
-      self._handles[name] = safe_open(self.path / name, "numpy")
-    return self._handles[name].get_tensor(key)
+def _checkpoint_shape(entry: _Entry, shapes) -> tuple[int, ...]:
+  """The shape the checkpoint must give `entry` (its `to_hf` applied to a stand-in of no memory)."""
+  path = entry.path
+  shape = shapes[path[:-1]][1:] if path[-1] in ("0", "1") else shapes[path]  # a half of gating_einsum
+  return entry.to_hf(np.broadcast_to(np.zeros((), np.int8), shape)).shape
+
+
+def _checked_tensors(cfg: ModelConfig, ckpt: shards.Shards, config_file) -> list[tuple[_Entry, str]]:
+  """(entry, checkpoint key) of every parameter of `cfg`, after checking from the shards' headers alone (no
+  tensor read) that each is present, a float, and of the shape `cfg` gives it: a checkpoint that does not fit
+  its config.json fails here, in seconds, with the key, its shard and the expected shape named."""
+  shapes = _our_shapes(cfg)
+  found = []
+  for entry in _layout(cfg):
+    key = next((k for k in entry.keys if k in ckpt.weight_map), None)
+    if key is None:
+      raise KeyError(f"Checkpoint {ckpt.path} has no tensor {' or '.join(entry.keys)} (for {'/'.join(entry.path)}).")
+    shape, dtype = ckpt.header(key)
+    if dtype not in shards.FLOAT_DTYPES:
+      raise _files.BadFileError(f"{ckpt.file(key)}: tensor {key} is {dtype}; the weights of this model are floats "
+                                f"({', '.join(shards.FLOAT_DTYPES)}).")
+    want = _checkpoint_shape(entry, shapes)
+    if shape != want:
+      raise _files.BadFileError(f"{ckpt.file(key)}: tensor {key} has shape {list(shape)}; {config_file} makes it "
+                                f"{list(want)} (for {'/'.join(entry.path)}).")
+    found.append((entry, key))
+  return found
+
+
+def _memory(placed: bool) -> tuple[int, str]:
+  """(bytes, what they are) of the memory the loaded parameters go to: the local devices' when placed on
+  accelerators that report a limit, else the host's (its physical memory, or its cgroup's limit if lower)."""
+  if placed:
+    devices = jax.local_devices()
+    limits = [(d.memory_stats() or {}).get("bytes_limit") for d in devices]
+    if all(limits):
+      return sum(limits), f"the {len(devices)} local {devices[0].platform} devices' memory"
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  try:
+    total = min(total, int(pathlib.Path("/sys/fs/cgroup/memory.max").read_text()))
+  except (OSError, ValueError):  # no cgroup v2 limit ("max"), or not Linux
+    pass
+  return total, "this host's memory"
+
+
+def _check_memory(cfg: ModelConfig, tensors, ckpt: shards.Shards, dtype, placed: bool) -> None:
+  """Refuses a model whose parameters (at `dtype`, else as stored; int8 where quantised) exceed the memory
+  they go to, before anything is allocated."""
+  scales = quantize.scale_shapes(cfg) if cfg.quantize == "int8" else {}
+  sizes = {}
+  for entry, key in tensors:
+    shape, stored = ckpt.header(key)
+    target = entry.path[:-1] if entry.path[-1] in ("0", "1") else entry.path
+    itemsize = 1 if target in scales else (dtype.itemsize if dtype is not None else _ITEMSIZE[stored])
+    sizes[key] = math.prod(shape) * itemsize
+  need = sum(sizes.values())
+  have, where = _memory(placed)
+  if need > have:
+    largest = max(sizes, key=sizes.get)
+    raise MemoryError(f"The checkpoint {ckpt.path} needs {need / 2**30:.1f} GiB for its parameters"
+                      f"{'' if dtype is None else f' in {dtype}'}, more than {where} ({have / 2**30:.1f} GiB); the "
+                      f"largest tensor is {largest} ({sizes[largest] / 2**30:.2f} GiB). Load it in a smaller dtype, "
+                      "quantised (quantize='int8'), or sharded over more devices.")
+
+
+_ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
 def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None, **config_overrides):
@@ -218,25 +297,29 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   `config_overrides` (e.g. `moe_impl='dense'`) apply to the ModelConfig built from config.json; with
   `quantize='int8'` each attention, MLP and expert weight is quantised as it is read (`model.quantize`),
   so the float model is never whole in memory either.
+
+  Nothing is built before the folder is checked: config.json's fields (types, ranges, how they fit), then
+  every tensor's presence, dtype (a float) and shape against the config, from the shard headers alone, and
+  the memory the parameters need against what they go to. As it streams, each tensor is checked to be
+  finite. Files are read as `_files` and `convert.shards` allow (regular files under a size cap, shards
+  named by the index only inside the folder); every error names the file and the field or tensor.
   """
   path = pathlib.Path(path)
   config_file = path / "config.json"
-  if not config_file.exists():
+  if not _files.present(config_file):
     raise FileNotFoundError(f"{path} is not a transformers checkpoint folder: no config.json.")
-  cfg = config_from_hf(json.loads(config_file.read_text()), **config_overrides)
+  cfg = config_from_hf(_files.read_json(config_file), source=config_file, **config_overrides)
   dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
+  ckpt = shards.Shards(path)
+  tensors = _checked_tensors(cfg, ckpt, config_file)
+  _check_memory(cfg, tensors, ckpt, dtype, shardings is not None)
   if callable(shardings):
     shardings = shardings(cfg)
   scales = quantize.scale_shapes(cfg) if cfg.quantize == "int8" else {}
-  ckpt = _Checkpoint(path)
   params: dict[str, Any] = {}
   halves: dict[tuple[str, ...], dict[str, np.ndarray]] = {}  # a GeGLU's gate and up, until both are read
-  used = set()
-  for entry in _layout(cfg):
-    key = next((k for k in entry.keys if k in ckpt.weight_map), None)
-    if key is None:
-      raise KeyError(f"Checkpoint {path} has no tensor {' or '.join(entry.keys)} (for {'/'.join(entry.path)}).")
-    used.update(k for k in entry.keys if k in ckpt.weight_map)  # a tied copy counts as read
+  used = {k for entry, _ in tensors for k in entry.keys if k in ckpt.weight_map}  # a tied copy counts as read
+  for entry, key in tensors:
     value = ckpt.get(key)
     if dtype is not None:
       value = value.astype(dtype, copy=False)  # before the layout change, so any copy is the smaller one
@@ -364,8 +447,9 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
                      "vision encoder (cfg.vision), which is written from params.")
   if vision_from is not None:
     vision_from = pathlib.Path(vision_from)
-    hf_config["vision_config"] = json.loads((vision_from / "config.json").read_text())["vision_config"]
-    source = _Checkpoint(vision_from)
+    hf_config["vision_config"] = _files.Fields(_files.read_json(vision_from / "config.json"),
+                                               vision_from / "config.json").get("vision_config")
+    source = shards.Shards(vision_from)
     vision = ((k, source.get(k)) for k in sorted(source.weight_map)
               if k.startswith(_SKIPPED_PREFIXES[:2]))
     tensors = itertools.chain(tensors, vision)

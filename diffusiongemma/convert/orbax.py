@@ -14,6 +14,7 @@ import pathlib
 import jax
 import orbax.checkpoint as ocp
 
+from diffusiongemma import _files
 from diffusiongemma.convert import hf
 from diffusiongemma.model import ModelConfig
 from diffusiongemma import parallel
@@ -45,10 +46,16 @@ def load_orbax(orbax_dir: os.PathLike | str, cfg: ModelConfig | None = None) -> 
                             "(write one with scripts/convert.py --to_orbax).")
   if cfg is None:
     path = orbax_dir / MODEL_CONFIG_FILENAME
-    if not path.is_file():
+    if not _files.present(path):
       raise FileNotFoundError(f"No {str(path)!r} to read the model config from: pass a config.")
-    cfg = ModelConfig.from_dict(json.loads(path.read_text()))
+    values = _files.read_json(path)
+    try:
+      cfg = ModelConfig.from_dict(values)
+    except (TypeError, ValueError) as e:
+      raise _files.BadFileError(f"{path}: {e}") from None
   checkpointer = ocp.StandardCheckpointer()
-  saved = checkpointer.metadata(orbax_dir / PARAMS_DIRNAME).item_metadata.tree
-  target = parallel.abstract_with_sharding(saved, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
-  return cfg, checkpointer.restore(orbax_dir / PARAMS_DIRNAME, target)
+  with _files.reading(f"The orbax params checkpoint {str(orbax_dir)!r}, item {PARAMS_DIRNAME!r},",
+                      "It is damaged or incomplete: write it again (scripts/convert.py --to_orbax)."):
+    saved = checkpointer.metadata(orbax_dir / PARAMS_DIRNAME).item_metadata.tree
+    target = parallel.abstract_with_sharding(saved, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
+    return cfg, checkpointer.restore(orbax_dir / PARAMS_DIRNAME, target)

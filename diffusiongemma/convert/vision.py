@@ -14,6 +14,7 @@ from typing import Any
 
 from absl import logging
 
+from diffusiongemma import _files
 from diffusiongemma.convert.layout import _Entry, _identity, _linear, _mlp, _output_projection
 from diffusiongemma.model.config import VisionConfig
 
@@ -55,16 +56,17 @@ def layout(vision: VisionConfig) -> Iterator[_Entry]:
   yield _Entry(("embed_vision", "embedding_projection"), (_EMBED + "embedding_projection.weight",), *linear)
 
 
-def config_from_hf(hf_config: dict[str, Any], vocab_size: int) -> dict[str, Any]:
-  """ModelConfig fields for the vision encoder of a transformers config.json: `vision` and the image
-  token ids. `vision` is None (text only, with a log line) when there is no `vision_config`, or when the
-  image tokens lie outside the vocabulary (e.g. a tiny test model whose vision tower is a placeholder)."""
-  ids = dict(image_id=hf_config.get("image_token_id", 258_880),
-             begin_image_id=hf_config.get("boi_token_id", 255_999),
-             end_image_id=hf_config.get("eoi_token_id", 258_882))
-  values = hf_config.get("vision_config")
-  if not values:
+def config_from_hf(hf_config: _files.Fields, vocab_size: int) -> dict[str, Any]:
+  """ModelConfig fields for the vision encoder of a transformers config.json (its `Fields`, so that an error
+  names the file and the field): `vision` and the image token ids. `vision` is None (text only, with a log
+  line) when there is no `vision_config`, or when the image tokens lie outside the vocabulary (e.g. a tiny
+  test model whose vision tower is a placeholder)."""
+  token_id = lambda name, default: hf_config.integer(name, default, minimum=0)
+  ids = dict(image_id=token_id("image_token_id", 258_880), begin_image_id=token_id("boi_token_id", 255_999),
+             end_image_id=token_id("eoi_token_id", 258_882))
+  if not hf_config.get("vision_config", None):
     return dict(vision=None, **ids)
+  values = hf_config.mapping("vision_config")
   outside = {k: v for k, v in ids.items() if not 0 <= v < vocab_size}
   if outside:
     logging.info("config.json has a vision_config, but image tokens %s lie outside the vocabulary (%d): "
@@ -72,33 +74,35 @@ def config_from_hf(hf_config: dict[str, Any], vocab_size: int) -> dict[str, Any]
     return dict(vision=None, **ids)
   for field, want in _FIXED:
     if values.get(field, want) != want:
-      raise ValueError(f"Unsupported vision_config.{field}={values[field]!r}: the vision encoder implements "
-                       f"{field}={want!r}.")
-  rope = values.get("rope_parameters") or {}
-  if rope.get("rope_type", "axial") != "axial":
-    raise ValueError(f"Unsupported vision_config.rope_parameters.rope_type={rope['rope_type']!r}; supported: "
-                     "'axial'.")
-  text = hf_config.get("text_config", {})
-  bidirectional = text.get("use_bidirectional_attention")
+      raise values.error(field, f"is {values.values[field]!r}: the vision encoder implements {field}={want!r}.")
+  rope = values.mapping("rope_parameters")
+  if rope.string("rope_type", "axial") != "axial":
+    raise rope.error("rope_type", f"is {rope.values['rope_type']!r}; supported: 'axial'.")
+  text = hf_config.mapping("text_config")
+  bidirectional = text.get("use_bidirectional_attention", None)
   if bidirectional not in (None, "vision"):
-    raise ValueError(f"Unsupported text_config.use_bidirectional_attention={bidirectional!r}; supported: "
-                     "None, 'vision'.")
-  heads = values.get("num_attention_heads", 12)
-  vision = VisionConfig(
-      hidden_size=values.get("hidden_size", 768),
-      intermediate_size=values.get("intermediate_size", 3072),
-      num_layers=values.get("num_hidden_layers", 16),
+    raise text.error("use_bidirectional_attention", f"is {bidirectional!r}; supported: None, 'vision'.")
+  heads = values.integer("num_attention_heads", 12)
+  hidden = values.integer("hidden_size", 768)
+  fields = dict(
+      hidden_size=hidden,
+      intermediate_size=values.integer("intermediate_size", 3072),
+      num_layers=values.integer("num_hidden_layers", 16),
       num_heads=heads,
-      num_kv_heads=values.get("num_key_value_heads", heads),
-      head_dim=values.get("head_dim") or values.get("hidden_size", 768) // heads,
-      patch_size=values.get("patch_size", 16),
-      pooling_kernel_size=values.get("pooling_kernel_size", 3),
-      position_embedding_size=values.get("position_embedding_size", 10_240),
-      rope_theta=rope.get("rope_theta", 100.0),
-      rms_norm_eps=values.get("rms_norm_eps", 1e-6),
-      standardize=values.get("standardize", False),
+      num_kv_heads=values.integer("num_key_value_heads", heads),
+      head_dim=values.integer("head_dim", hidden // heads),
+      patch_size=values.integer("patch_size", 16),
+      pooling_kernel_size=values.integer("pooling_kernel_size", 3),
+      position_embedding_size=values.integer("position_embedding_size", 10_240),
+      rope_theta=rope.number("rope_theta", 100.0),
+      rms_norm_eps=values.number("rms_norm_eps", 1e-6),
+      standardize=values.boolean("standardize", False),
       bidirectional_attention=bidirectional == "vision",
   )
+  try:
+    vision = VisionConfig(**fields)
+  except ValueError as e:
+    raise _files.BadFileError(f"{hf_config.source}: vision_config: {e}") from None
   return dict(vision=vision, **ids)
 
 

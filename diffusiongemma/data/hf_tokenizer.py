@@ -13,13 +13,13 @@ both this class and the project's sentencepiece `Tokenizer` (a training workdir'
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
 from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
+from diffusiongemma import _files
 from diffusiongemma.data import tokenizer as sp_tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -70,10 +70,10 @@ class CheckpointTokenizer:
     if not self.folder.is_dir():
       raise FileNotFoundError(f"Tokenizer folder {str(self.folder)!r} does not exist.")
     json_file, model_file = self.folder / TOKENIZER_JSON, self.folder / TOKENIZER_MODEL
-    if json_file.is_file():
+    if _files.present(json_file):
       self.path = json_file
       self._backend = _JsonBackend(json_file)
-    elif model_file.is_file():
+    elif _files.present(model_file):
       self.path = model_file
       self._backend = _SentencePieceBackend(model_file)
     else:
@@ -139,7 +139,11 @@ class _JsonBackend:
   def __init__(self, path: pathlib.Path):
     import tokenizers  # pylint: disable=import-outside-toplevel
     self._tokenizers = tokenizers
-    self._tok = tokenizers.Tokenizer.from_file(str(path))
+    text = _files.read_text(path, _files.TOKENIZER_MAX_BYTES)
+    try:
+      self._tok = tokenizers.Tokenizer.from_str(text)
+    except Exception as e:  # pylint: disable=broad-except  (the library raises a bare Exception)
+      raise _files.BadFileError(f"{path} is not a tokenizers tokenizer.json: {e}.") from None
 
   @property
   def vocab_size(self) -> int:
@@ -170,8 +174,7 @@ class _SentencePieceBackend:
   """A sentencepiece model; text is split at special tokens first, so that each becomes its one id."""
 
   def __init__(self, path: pathlib.Path):
-    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
-    self._sp = spm.SentencePieceProcessor(model_file=str(path))
+    self._sp = sp_tokenizer.load_sentencepiece(_files.read_bytes(path, _files.TOKENIZER_MAX_BYTES), path)
     self._special: dict[str, int] = {}
     self._pattern = None
 
@@ -220,8 +223,8 @@ class _SentencePieceBackend:
 def _named_tokens(config_file: pathlib.Path) -> dict[str, str]:
   """bos/eos/pad token texts from tokenizer_config.json (a string or an AddedToken dict), else Gemma's."""
   named = dict(_DEFAULT_NAMED)
-  if config_file.is_file():
-    config = json.loads(config_file.read_text())
+  if _files.present(config_file):
+    config = _files.read_json(config_file)
     for name in named:
       value = config.get(name)
       if isinstance(value, Mapping):
@@ -243,15 +246,16 @@ def load_tokenizer(folder: os.PathLike | str) -> TokenizerLike:
   if not folder.is_dir():
     raise FileNotFoundError(f"{str(folder)!r} is not a folder (expected a checkpoint folder or a workdir).")
   config_file = folder / "config.json"
-  config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+  config = _files.read_json(config_file) if _files.present(config_file) else {}
   if isinstance(config.get("model"), Mapping) and isinstance(config.get("data"), Mapping):
-    path = pathlib.Path(config["data"].get("tokenizer_path") or folder / TOKENIZER_MODEL)
-    if not path.is_file():
+    data = _files.Fields(config["data"], config_file, "data.")
+    path = pathlib.Path(data.string("tokenizer_path", "") or folder / TOKENIZER_MODEL)
+    if not _files.present(path):
       raise FileNotFoundError(f"The training workdir {folder} has no tokenizer at {path}.")
     return sp_tokenizer.Tokenizer(path)
-  if config or any((folder / f).is_file() for f in (TOKENIZER_JSON, TOKENIZER_CONFIG)):
+  if config or any(_files.present(folder / f) for f in (TOKENIZER_JSON, TOKENIZER_CONFIG)):
     return CheckpointTokenizer(folder)
-  if (folder / TOKENIZER_MODEL).is_file():
+  if _files.present(folder / TOKENIZER_MODEL):
     return sp_tokenizer.Tokenizer(folder / TOKENIZER_MODEL)
   raise FileNotFoundError(f"{folder} has no tokenizer: none of {TOKENIZER_JSON}, {TOKENIZER_MODEL}, or a "
                           "training config.json naming one.")

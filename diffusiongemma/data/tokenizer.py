@@ -43,6 +43,18 @@ _TRAINER_OPTIONS = dict(
 )
 
 
+def load_sentencepiece(proto: bytes, source) -> spm.SentencePieceProcessor:
+  """A sentencepiece processor of the model bytes `proto` read from `source` (named in the error when the
+  bytes are not a sentencepiece model)."""
+  try:
+    processor = spm.SentencePieceProcessor(model_proto=proto)
+  except RuntimeError as e:
+    raise _files.BadFileError(f"{source} is not a sentencepiece model ({str(e).strip() or 'unparsable'}).") from None
+  if processor.vocab_size() < 1:
+    raise _files.BadFileError(f"{source} is not a sentencepiece model: it holds no pieces.")
+  return processor
+
+
 class Tokenizer:
   """Wraps a `sentencepiece` model; picklable (it carries the serialized model)."""
 
@@ -52,10 +64,10 @@ class Tokenizer:
       proto, self.path = model, None
     else:
       self.path = pathlib.Path(model)
-      if not self.path.is_file():
+      if not _files.present(self.path):
         raise ValueError(f"Tokenizer model {str(self.path)!r} does not exist.")
-      proto = self.path.read_bytes()
-    self._sp = spm.SentencePieceProcessor(model_proto=proto)
+      proto = _files.read_bytes(self.path, _files.TOKENIZER_MAX_BYTES)
+    self._sp = load_sentencepiece(proto, self.path or "the serialized model")
 
   @property
   def serialized(self) -> bytes:
@@ -154,8 +166,12 @@ def get_tokenizer(
     path: os.PathLike | str | None = None,
     corpus_texts_fn: Callable[[], Sequence[str]] | None = None,
     vocab_size: int = 4096,
+    *,
+    train_if_missing: bool = False,
 ) -> Tokenizer:
-  """Loads `path` if given, else `workdir/tokenizer.model`, training and saving that if missing.
+  """Loads `path` if given, else `workdir/tokenizer.model`; with `train_if_missing` (what training does on a
+  fresh workdir) that is trained and saved if missing, otherwise its absence is an error that says how to
+  make one: reading a workdir never writes into it.
 
   `corpus_texts_fn` returns the training texts and is only called when training is needed; it
   defaults to the train split of the standard-library corpus.
@@ -169,6 +185,11 @@ def get_tokenizer(
       logging.warning("%s has %d pieces, not the configured %d.", default_path,
                       tokenizer.vocab_size, vocab_size)
     return tokenizer
+  if not train_if_missing:
+    raise FileNotFoundError(
+        f"{str(workdir)!r} has no {TOKENIZER_FILENAME}: a training run writes it there (scripts/train.py "
+        f"--workdir={workdir} trains one on the corpus before its first step), or name a tokenizer with "
+        "--config.data.tokenizer_path=FILE.")
   if corpus_texts_fn is None:
     corpus_texts_fn = lambda: corpus.load_corpus("stdlib", "train")
   return Tokenizer.train(corpus_texts_fn(), default_path, vocab_size)

@@ -17,11 +17,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")  # ModelConfig.quantize
 
 
+INT32_MAX = 2**31 - 1  # sizes index int32 arrays (token ids, positions, shapes inside XLA programs)
+
+
 def _positive_ints(config, fields) -> None:
   for field in fields:
     value = getattr(config, field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: must be a positive integer.")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT32_MAX:
+      raise ValueError(f"{type(config).__name__}.{field}={value!r} is invalid: must be a positive integer "
+                       f"below 2**31.")
 
 
 def default_moe_impl(backend: str | None = None) -> str:
@@ -212,7 +216,7 @@ class ModelConfig:
                                                0 <= self.mask_token_id < self.vocab_size):
       fail("mask_token_id", f"must be None (the last id) or a token id in [0, vocab_size={self.vocab_size})")
     for field in ("pad_id", "eos_id", "bos_id"):
-      if not 0 <= getattr(self, field) < self.vocab_size:
+      if not isinstance(getattr(self, field), int) or not 0 <= getattr(self, field) < self.vocab_size:
         fail(field, f"must be a token id in [0, vocab_size={self.vocab_size})")
     if self.vision is not None:
       if not isinstance(self.vision, VisionConfig):

@@ -22,6 +22,9 @@ from diffusiongemma.parallel.distributed import sync  # pylint: disable=g-import
 
 __all__ += ["initialize_distributed", "is_main_process", "sync"]
 
-from diffusiongemma.parallel.compilation_cache import enable_compilation_cache  # pylint: disable=g-import-not-at-top
+from diffusiongemma.parallel import compilation_cache  # pylint: disable=g-import-not-at-top
 
-__all__ += ["enable_compilation_cache"]
+define_compilation_cache_flag = compilation_cache.define_flag
+enable_compilation_cache = compilation_cache.enable_compilation_cache
+
+__all__ += ["define_compilation_cache_flag", "enable_compilation_cache"]

@@ -15,12 +15,12 @@ Presets (the model's usage guide) change a few fields on top of the checkpoint's
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Mapping
 from typing import Any
 
+from diffusiongemma import _files
 from diffusiongemma.sampling.config import SamplerConfig
 
 GENERATION_CONFIG = "generation_config.json"
@@ -41,11 +41,11 @@ def read_generation_config(path: os.PathLike | str) -> tuple[dict[str, Any], int
   """
   path = pathlib.Path(path)
   file = path / GENERATION_CONFIG if path.is_dir() else path
-  if not file.is_file():
+  if not _files.present(file):
     if path.is_dir():
       return {}, None
     raise FileNotFoundError(f"No generation config at {str(path)!r}.")
-  values = json.loads(file.read_text())
+  values = _files.read_json(file)
   overrides = {k: values[k] for k in _SAME_NAME if values.get(k) is not None}
   sampler = values.get("sampler_config")
   if sampler is not None:

@@ -10,12 +10,12 @@ weights is checked before they are read.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
 import jax.numpy as jnp
 
+from diffusiongemma import _files
 from diffusiongemma import convert
 from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.model import DiffusionGemma, ModelConfig
@@ -60,8 +60,9 @@ def load(folder, *, preset: str = "default", dtype: str | None = "bfloat16", sha
   tokenizer = hf_tokenizer.CheckpointTokenizer(path)
   sampler_cfg, max_new_tokens = presets.sampler_config(path, preset, **sampler_overrides)
   overrides = dict(model_overrides or {})
-  if (path / "config.json").is_file():
-    cfg = convert.config_from_hf(json.loads((path / "config.json").read_text()), **overrides)
+  config_file = path / "config.json"
+  if _files.present(config_file):
+    cfg = convert.config_from_hf(_files.read_json(config_file), source=config_file, **overrides)
     if tokenizer.vocab_size > cfg.vocab_size:
       raise ValueError(f"The tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
                        f"model's vocabulary of {cfg.vocab_size} (config.json).")

@@ -13,7 +13,6 @@ save) may change between runs.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from collections.abc import Mapping
@@ -22,6 +21,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from diffusiongemma import _files
 from diffusiongemma import convert
 from diffusiongemma import parallel
 from diffusiongemma.model import transformer
@@ -81,15 +81,20 @@ class Checkpointer:
         data=ocp.args.JsonSave(dict(data_state)),
         meta=ocp.args.JsonSave(dict(meta))), force=True)
 
+  def _item(self, step: int, item: str) -> str:
+    return f"Checkpoint step {step} of {self.directory}, item {item!r},"
+
   def restore_meta(self, step: int) -> dict[str, Any]:
-    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    with _files.reading(self._item(step, "meta"), _DAMAGED):
+      return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
   def restore(self, step: int, abstract_state: Mapping[str, Any]) -> tuple[dict, dict, dict]:
     """(state dict, data-iterator state, meta) of `step`, the state laid out as `abstract_state`
     (a tree of `jax.ShapeDtypeStruct`, with shardings)."""
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-        meta=ocp.args.JsonRestore()))
+    with _files.reading(self._item(step, "state, data or meta"), _DAMAGED):
+      restored = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+          meta=ocp.args.JsonRestore()))
     return restored["state"], restored["data"], restored["meta"]
 
   def check_config(self, current: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> int | None:
@@ -144,7 +149,7 @@ def load_params(workdir: os.PathLike | str, *, step: int | None = None, sharding
     raise ValueError(f"No checkpoint at step {step} in {str(directory)!r}; available: {steps}.")
   path = directory / str(step) / "state"
   checkpointer = ocp.PyTreeCheckpointer()
-  saved = checkpointer.metadata(path).item_metadata.tree["params"]
+  saved = _saved_params(directory, step)
   if shardings is None:
     shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
   if isinstance(shardings, Mapping) and "params" not in shardings and "params" in saved:
@@ -156,9 +161,26 @@ def load_params(workdir: os.PathLike | str, *, step: int | None = None, sharding
                      f"{str(directory)!r}: {e}") from e
   restore_args = jax.tree.map(
       lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), target)
-  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-      item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
+  with _files.reading(f"Checkpoint step {step} of {str(directory)!r}, item 'state' (its params),", _DAMAGED):
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item={"params": target}, restore_args={"params": restore_args}, partial_restore=True))
   return restored["params"], step
+
+
+_DAMAGED = ("It is damaged or incomplete (a copy cut short, a file missing): use another step, or copy the "
+            "checkpoint again.")
+
+
+def _saved_params(directory: pathlib.Path, step: int):
+  """The params' tree of shapes and dtypes in the checkpoint at `step`, from its metadata alone."""
+  with _files.reading(f"Checkpoint step {step} of {str(directory)!r}, item 'state' (its metadata),", _DAMAGED):
+    metadata = ocp.PyTreeCheckpointer().metadata(directory / str(step) / "state").item_metadata
+    if metadata is None:
+      raise ValueError("no readable metadata")
+    tree = metadata.tree
+    if not isinstance(tree, Mapping) or "params" not in tree:
+      raise ValueError(f"its state holds no 'params' (it holds {sorted(tree) if isinstance(tree, Mapping) else tree})")
+    return tree["params"]
 
 
 def load_weights(source: os.PathLike | str, *, shardings=None, expected=None) -> Any:
@@ -169,12 +191,11 @@ def load_weights(source: os.PathLike | str, *, shardings=None, expected=None) ->
   named."""
   path = pathlib.Path(source)
   if latest_step(path) is not None:
-    state = path.absolute() / CHECKPOINT_DIRNAME / str(latest_step(path)) / "state"
-    saved = ocp.PyTreeCheckpointer().metadata(state).item_metadata.tree["params"]
+    saved = _saved_params(path.absolute() / CHECKPOINT_DIRNAME, latest_step(path))
     _check_fits(saved, expected, source)
     return load_params(path, shardings=shardings)[0]
-  if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-    cfg = convert.config_from_hf(json.loads((path / "config.json").read_text()))
+  if _files.present(path / "config.json") and any(path.glob("*.safetensors")):
+    cfg = convert.config_from_hf(_files.read_json(path / "config.json"), source=path / "config.json")
     _check_fits({"params": transformer.abstract_params(cfg)}, expected, source)
     _, params = convert.load_hf(path, shardings=None if shardings is None else shardings["params"])
     return {"params": params}

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 
+from diffusiongemma import _files
 from diffusiongemma.diffusion import loss as loss_lib
 from diffusiongemma.model import layers
 from diffusiongemma.training import step as step_lib
@@ -231,10 +232,15 @@ def load_adapters(path: os.PathLike | str) -> tuple[dict, LoraConfig]:
   """(adapters, LoraConfig) written by `save_adapters`."""
   path = pathlib.Path(path).absolute()
   config_file = path / LORA_CONFIG_FILENAME
-  if not config_file.is_file():
+  if not _files.present(config_file):
     raise FileNotFoundError(f"{str(path)!r} holds no LoRA adapters (no {LORA_CONFIG_FILENAME}).")
-  config = LoraConfig.from_dict(json.loads(config_file.read_text(encoding="utf-8")))
-  adapters = ocp.StandardCheckpointer().restore(path / "adapters")
+  values = _files.read_json(config_file)
+  try:
+    config = LoraConfig.from_dict(values)
+  except (TypeError, ValueError) as e:
+    raise _files.BadFileError(f"{config_file}: {e}") from None
+  with _files.reading(f"The LoRA adapters {str(path)!r}, item 'adapters',", "They are damaged or incomplete."):
+    adapters = ocp.StandardCheckpointer().restore(path / "adapters")
   return adapters, config
 
 
