@@ -94,6 +94,24 @@ def test_every_output_matches_the_regex_and_unconstrained_output_does_not(params
   assert rows == 18 and free == 0
 
 
+def test_reusing_settled_positions_keeps_constraints_and_held_tokens(params, sampler, regex_constraint):
+  """`reuse="settled"` (masked noise) under a regex constraint and with held (given) positions: every output
+  still matches and the held tokens stay; uniform noise refuses the option by name."""
+  if sampler.noise.name != "masked":
+    with pytest.raises(ValueError, match="SamplerConfig.reuse='settled' needs a noise process"):
+      dg.Sampler(sampler.model, dataclasses.replace(CONFIG, reuse="settled"), noise=sampler.noise)
+    return
+  reuse = sampler.replace(config=dataclasses.replace(CONFIG, reuse="settled"))
+  out = reuse.generate(params, _prompts(3), jax.random.key(3), NEW, constraint=regex_constraint)
+  for row in np.asarray(out.tokens):
+    assert re.fullmatch(REGEX, _text(row, reuse)), _text(row, reuse)
+  canvas = np.full((3, TINY.canvas_length), 40, np.int32)
+  given = np.zeros(canvas.shape, bool)
+  given[:, [1, 4]] = True
+  held = reuse.generate(params, _prompts(4), jax.random.key(4), NEW, initial_canvas=canvas, given=given)
+  assert (np.asarray(held.tokens)[:, :TINY.canvas_length][given] == 40).all()
+
+
 def test_no_constraint_is_the_plain_program(params, sampler, regex_constraint):
   lowered = []
   original = dg.sampling.sampler._program  # pylint: disable=protected-access

@@ -228,3 +228,36 @@ def test_loss_is_finite_and_gradients_reach_the_encoder(params):
   key = "['layer_0']['attn']['k_einsum']"
   difference = np.linalg.norm(full[key] - cut[key]) / np.linalg.norm(full[key])
   assert difference > 0.05, difference
+
+
+def test_certainty_entropy_on_hand_written_logits():
+  """Certainty forcing's term: the mean entropy over masked positions whose argmax is the label."""
+  logits = jnp.log(jnp.asarray([[[0.7, 0.2, 0.1], [0.5, 0.5, 0.0], [0.1, 0.1, 0.8], [0.9, 0.05, 0.05]]]))
+  labels = jnp.asarray([[0, 1, 0, 0]])  # right, wrong (tie goes to 0), wrong, right
+  mask = jnp.asarray([[True, True, True, False]])  # the last is right but not masked
+  p = np.array([0.7, 0.2, 0.1])
+  np.testing.assert_allclose(diffusion.certainty_entropy(logits, labels, mask), -(p * np.log(p)).sum(), rtol=1e-5)
+  assert float(diffusion.certainty_entropy(logits, labels, jnp.zeros_like(mask))) == 0.0
+
+
+def test_certainty_weight_and_ar_targets_in_the_loss(params):
+  """certainty_weight adds weight x the reported certainty entropy (the rest of the loss unchanged), and
+  `ar_targets` limits the AR loss to the targets it marks: the encoder's cross-entropy there, by hand."""
+  base = diffusion.LossConfig(noise=diffusion.MaskedNoise(V), self_conditioning_prob=0.0, all_canvases=True)
+  batch, rng = _batch(), jax.random.PRNGKey(6)
+  _, plain = _loss(params, batch, rng, base)
+  _, forced = _loss(params, batch, rng, base.replace(certainty_weight=0.5))
+  assert float(forced["certainty_entropy"]) > 0
+  np.testing.assert_allclose(forced["loss"], plain["loss"] + 0.5 * forced["certainty_entropy"], rtol=1e-6)
+
+  tokens = batch["tokens"]
+  targets = np.zeros(tokens.shape, bool)
+  targets[:, 1:PROMPT] = True  # the prompt's own tokens only
+  targets[0, PROMPT:PROMPT + 3] = True
+  _, masked = _loss(params, {**batch, "ar_targets": jnp.asarray(targets)}, rng, base)
+  model = dg.DiffusionGemma(TINY)
+  logits, _ = jax.jit(lambda p, t: model.apply(p, t, method=model.encode))(params, tokens)
+  log_probs = jax.nn.log_softmax(np.asarray(logits[:, :-1], np.float64), axis=-1)
+  nll = -np.take_along_axis(np.asarray(log_probs), np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+  np.testing.assert_allclose(masked["ar_loss"], nll[targets[:, 1:]].mean(), rtol=1e-5)
+  assert abs(float(masked["ar_loss"]) - float(plain["ar_loss"])) > 1e-4

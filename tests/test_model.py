@@ -156,6 +156,35 @@ def test_block_causal_multi_canvas_equals_one_at_a_time(params):
     np.testing.assert_allclose(together[:, i * c:(i + 1) * c], alone, atol=1e-5)
 
 
+def test_encode_denoise_is_encode_then_denoise(params):
+  """One pass over [committed ; canvas] gives the canvas's hidden states and the cache of `encode` followed
+  by `denoise`: each half with its own layer scalar, the sliding window narrower than the context, rows
+  with caches of different lengths, per-row self-conditioning."""
+  model = dg.DiffusionGemma(TINY)
+  c = TINY.canvas_length
+  cache = dg.KVCache.empty(TINY, 2, 24)
+  _, cache = _encode(params, _tokens(1, (2, 7)), cache, num_tokens=jnp.asarray([7, 4]))
+  committed, canvas = _tokens(2, (2, c)), _tokens(3, (2, c))
+  signal = jnp.asarray(np.random.default_rng(4).standard_normal((2, c, TINY.hidden_size)), jnp.float32)
+  mask, skip = jnp.asarray([True, False]), jnp.asarray([False, True])
+  variables = {"params": params}
+
+  @jax.jit
+  def both(committed, canvas, cache):
+    _, encoded = model.apply(variables, committed, cache, method=model.encode)
+    hidden = model.apply(variables, canvas, encoded, None, mask, return_hidden=True,
+                         self_conditioning_embedding=signal, method=model.denoise)
+    fused = model.apply(variables, committed, canvas, cache, self_conditioning_embedding=signal,
+                        self_conditioning_mask=mask, skip_rows=skip, method=model.encode_denoise)
+    return (hidden, encoded), fused
+
+  (hidden, encoded), (fused_hidden, fused_cache, _) = both(committed, canvas, cache)
+  np.testing.assert_allclose(fused_hidden[0], hidden[0], atol=2e-5)  # row 1 is skipped: its output unused
+  np.testing.assert_array_equal(fused_cache.length, encoded.length)
+  for x, y in zip(fused_cache.keys + fused_cache.values, encoded.keys + encoded.values):
+    np.testing.assert_allclose(x, y, atol=2e-5)
+
+
 def test_self_conditioning(params):
   _, cache = _encode(params, _tokens(10, (2, 5)))
   canvas = _tokens(11, (2, TINY.canvas_length))

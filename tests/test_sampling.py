@@ -5,6 +5,7 @@ file stays fast on two cores; the other rules and noises run end to end under th
 """
 
 import contextlib
+import re
 import dataclasses
 import pathlib
 
@@ -460,6 +461,114 @@ def test_while_loop_equals_python_loop(model, params, sampler):
   np.testing.assert_array_equal(first, out.tokens[:, :TINY.canvas_length])
   accepted = np.asarray(out.trace.accepted).sum(-1)  # [K, N, B]
   assert (accepted[0, :i][np.asarray(out.canvas_passes[:, 0])[None] > np.arange(i)[:, None]] >= 1).all()
+
+
+def test_fused_commit_is_the_same_generation(params, sampler):
+  """`fuse_commit` encodes each committed canvas inside the next canvas's first pass: the same tokens,
+  passes and steps, and the same cache after the call (every committed canvas but the last slot's, also
+  when every row stops early), with prompts of different lengths."""
+  prompts, keys = _prompts(9, lengths=(5, 3, 4)), _keys(50, 51, 52)
+  fused = sampler.replace(config=sampler.config.replace(fuse_commit=True))
+  for new in (NEW, 4 * TINY.canvas_length):  # the second outlives every row: the loop ends early
+    kwargs = dict(prompt_lengths=np.array([5, 3, 4]), max_new_tokens=new, return_trace=True, return_cache=True)
+    a, b = sampler.generate(params, prompts, keys, **kwargs), fused.generate(params, prompts, keys, **kwargs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.canvas_passes, b.canvas_passes)
+    np.testing.assert_array_equal(a.trace.argmax, b.trace.argmax)
+    np.testing.assert_array_equal(a.cache.length, b.cache.length)
+    for x, y in zip(a.cache.keys + a.cache.values, b.cache.keys + b.cache.values):
+      np.testing.assert_allclose(x, y, atol=1e-5)
+  assert (np.asarray(a.canvas_passes) == 0).any()  # some row finished before the last canvas
+
+
+def test_argmax_draw_takes_each_accepted_positions_argmax(params, sampler):
+  """draw="argmax": every accepted token is its step's argmax (uniform noise: nothing is fixed, so the
+  trace's argmax is the step's); the released draw samples other tokens of these flat distributions."""
+  prompts, keys = _prompts(10), _keys(60, 61, 62)
+  greedy = sampler.replace(config=sampler.config.replace(draw="argmax"))
+  for s, same in ((greedy, True), (sampler, False)):
+    out = s.generate(params, prompts, keys, max_new_tokens=NEW, return_trace=True)
+    accepted = np.asarray(out.trace.accepted)
+    canvas, argmax = np.asarray(out.trace.canvas), np.asarray(out.trace.argmax)
+    assert accepted.any()
+    assert (canvas[accepted] == argmax[accepted]).all() == same
+
+
+def _masked_sampler(model, **changes):
+  return dg.Sampler(model, CONFIG.replace(**changes), noise=diffusion.MaskedNoise(TINY.vocab_size),
+                    acceptance=acceptance.TopCount(2))
+
+
+def test_reuse_with_a_refresh_every_pass_is_exact_and_one_program(model, params):
+  """reuse="settled" recomputing every slot at every pass (refresh 1) writes exactly what exact decoding
+  writes, fused with the commit or not; without the refresh it is one program too, and reuses (other
+  tokens on this random model)."""
+  prompts, keys = _prompts(11, lengths=(5, 3, 4)), _keys(70, 71, 72)
+  kwargs = dict(prompt_lengths=np.array([5, 3, 4]), max_new_tokens=NEW)
+  exact = _masked_sampler(model).generate(params, prompts, keys, **kwargs)
+  for fuse in (False, True):
+    every = _masked_sampler(model, reuse="settled", reuse_refresh=1, fuse_commit=fuse)
+    out = every.generate(params, prompts, keys, **kwargs)
+    np.testing.assert_array_equal(out.tokens, exact.tokens)
+    np.testing.assert_array_equal(out.canvas_passes, exact.canvas_passes)
+  before = compiled_programs()
+  settled = _masked_sampler(model, reuse="settled")
+  first = settled.generate(params, prompts, keys, **kwargs)
+  settled.generate(params, _prompts(12, lengths=(5, 3, 4)), keys, **kwargs)
+  assert compiled_programs() == before + 1
+  assert (np.asarray(first.tokens) != np.asarray(exact.tokens)).any()
+
+
+def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, params):
+  """Step by step (a Python loop of `steps.denoise_step`): a reusing pass gives the slots it recomputes what
+  a pass over those slots alone gives them (no padding, the other slots' stored keys and values), stores
+  their fresh keys and values (at layer 0, those of a whole pass: they depend on the slot alone), leaves the
+  other slots' as they were, and settles a slot once it was computed while fixed."""
+  sampler = _masked_sampler(model, reuse="settled")
+  variables = {"params": params}
+  prompt = jnp.asarray(_prompts(13), jnp.int32)
+  cache = jax.jit(lambda p: model.apply(variables, p, dg.KVCache.empty(TINY, B, 8), method=model.encode)[1])(prompt)
+  denoiser = sampler.denoiser(variables, cache)
+  start, step_keys = sampler.start_canvas(_keys(80, 81, 82), 0)
+  layers = [TINY.layer_dims(i) for i in range(TINY.num_layers)]
+  state = steps.init_state(sampler.rules, start, jnp.zeros((B,), bool), TINY.hidden_size).replace(
+      reuse=steps.Reuse.empty(layers, B, TINY.canvas_length, TINY.hidden_size, jnp.float32))
+  step = jax.jit(lambda s: steps.denoise_step(sampler.rules, denoiser, s, step_keys))
+  row0 = sampler.denoiser(variables, jax.tree.map(lambda x: x[:1], cache))
+  alone = jax.jit(lambda s, slots: row0.subset(
+      s.canvas[:1, slots], slots[None], s.sc_embedding[:1, slots], s.has_sc[:1], s.done[:1],
+      tuple(k[:1] for k in s.reuse.keys), tuple(v[:1] for v in s.reuse.values)))
+  every = jnp.broadcast_to(jnp.arange(TINY.canvas_length), state.canvas.shape)
+  whole = jax.jit(lambda s: denoiser.subset(s.canvas, every, s.sc_embedding, s.has_sc, s.done, s.reuse.keys,
+                                            s.reuse.values)[1][0])
+  reused = 0
+  while bool(steps.should_continue(sampler.rules, state)):
+    computed = (~np.asarray(state.reuse.settled) | (int(state.step) == 0)) & ~np.asarray(state.done)[:, None]
+    after = step(state)
+    if 0 < computed[0].sum() < TINY.canvas_length:  # row 0 reuses some slots at this pass
+      slots = np.flatnonzero(computed[0])
+      hidden, keys, _ = alone(state, jnp.asarray(slots))
+      np.testing.assert_allclose(after.reuse.hidden[0, slots], hidden[0], atol=1e-5)
+      for new, ref in zip(after.reuse.keys, keys):
+        np.testing.assert_allclose(np.asarray(new)[0], np.asarray(ref)[0], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(after.reuse.keys[0])[computed], np.asarray(whole(state))[computed],
+                               atol=1e-5)
+    for new, old in zip(after.reuse.keys + after.reuse.values, state.reuse.keys + state.reuse.values):
+      np.testing.assert_array_equal(np.asarray(new)[~computed], np.asarray(old)[~computed])
+    np.testing.assert_array_equal(after.reuse.settled, np.asarray(state.reuse.settled)
+                                  | (computed & np.asarray(state.fixed)))
+    reused += int((~computed).sum())
+    state = after
+  assert reused > 0
+
+
+def test_reuse_settings_are_checked():
+  for changes, message in ((dict(reuse="all"), "SamplerConfig.reuse='all' is invalid"),
+                           (dict(reuse_refresh=-1), "SamplerConfig.reuse_refresh=-1 is invalid"),
+                           (dict(draw="best"), "SamplerConfig.draw='best' is invalid"),
+                           (dict(fuse_commit=1), "SamplerConfig.fuse_commit=1 is invalid")):
+    with pytest.raises(ValueError, match=re.escape(message)):
+      CONFIG.replace(**changes)
 
 
 def test_initial_canvas_is_used(params, sampler):

@@ -7,6 +7,7 @@ from diffusiongemma.diffusion.acceptance import EntropyBound
 from diffusiongemma.diffusion.acceptance import Margin
 from diffusiongemma.diffusion.acceptance import TokenStats
 from diffusiongemma.diffusion.acceptance import TopCount
+from diffusiongemma.diffusion.loss import certainty_entropy
 from diffusiongemma.diffusion.loss import diffusion_loss
 from diffusiongemma.diffusion.loss import LossConfig
 from diffusiongemma.diffusion.noise import MaskedNoise
@@ -29,6 +30,6 @@ from diffusiongemma.diffusion.stopping import StoppingRule
 __all__ = [
     "AcceptanceRule", "AllOf", "AnyOf", "ArgmaxStable", "Confidence", "Constant", "Cosine", "EntropyBound",
     "Linear", "LossConfig", "Margin", "MaskedNoise", "MeanEntropyBelow", "NEVER_LOGIT", "NoEarlyStop",
-    "NoiseProcess", "Schedule", "StoppingRule", "TokenStats", "TopCount", "UniformNoise", "diffusion_loss",
+    "NoiseProcess", "Schedule", "StoppingRule", "TokenStats", "TopCount", "UniformNoise", "certainty_entropy", "diffusion_loss",
     "sample_time", "stable_and_confident",
 ]

@@ -74,6 +74,10 @@ class LossConfig:
   # bound); 'flat': 1 wherever those are positive (masked noise then weighs every masked token alike, which
   # puts the emphasis on heavily masked canvases; uniform noise is unchanged).
   loss_weighting: str = "elbo"
+  # Certainty forcing (dParallel, arXiv 2509.26488): + weight x the mean entropy of the denoiser's
+  # distribution over the corrupted positions it already predicts right (argmax == target), which pushes a
+  # model that is right towards being sure, so that more positions pass a confidence threshold per pass.
+  certainty_weight: float = 0.0
 
   def __post_init__(self):
     if not hasattr(self.noise, "corrupt"):
@@ -87,6 +91,9 @@ class LossConfig:
     if self.diffusion_loss_weight < 0:
       raise ValueError("config.diffusion.diffusion_loss_weight must be >= 0, got "
                        f"{self.diffusion_loss_weight}.")
+    if not 0.0 <= self.certainty_weight < float("inf"):
+      raise ValueError(f"config.diffusion.certainty_weight must be a finite number >= 0, got "
+                       f"{self.certainty_weight}.")
     if self.loss_weighting not in LOSS_WEIGHTINGS:
       raise ValueError(f"config.diffusion.loss_weighting={self.loss_weighting!r} is invalid; expected one of "
                        f"{LOSS_WEIGHTINGS}.")
@@ -107,10 +114,11 @@ def _cross_entropy(logits: Array, labels: Array) -> Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
 
 
-def _encoder_pass(model, params, tokens: Array, start: Array, rows: Array, config: LossConfig, c: int
-                  ) -> tuple[Any, Array]:
+def _encoder_pass(model, params, tokens: Array, start: Array, rows: Array, config: LossConfig, c: int,
+                  ar_targets: Array | None = None) -> tuple[Any, Array]:
   """(the clean cache, the AR loss): the encoder over the clean sequence, with its next-token loss; without
-  an AR term only over the tokens before the last canvas slot (all the denoiser's cache needs)."""
+  an AR term only over the tokens before the last canvas slot (all the denoiser's cache needs).
+  `ar_targets` [B, L] bool, if given, further limits the AR loss to the targets it marks."""
   if config.ar_loss_weight == 0:
     _, cache = model.apply(params, tokens[:, :-c], method=model.encode)
     return cache, jnp.zeros((), jnp.float32)
@@ -119,6 +127,8 @@ def _encoder_pass(model, params, tokens: Array, start: Array, rows: Array, confi
   ar_mask = target < (start + rows * c)[:, None]  # [B, L-1]
   if not config.ar_loss_on_prompt:
     ar_mask &= target >= start[:, None]
+  if ar_targets is not None:
+    ar_mask &= ar_targets[:, 1:].astype(bool)
   ar_mask = ar_mask.astype(jnp.float32)
   ar_ce = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:])  # [B, L-1]
   return cache, (ar_ce * ar_mask).sum() / jnp.maximum(ar_mask.sum(), 1.0)
@@ -139,6 +149,16 @@ def _denoise(model, params, canvas: Array, cache, block_length: int | None, conf
   return denoise(None, None)
 
 
+def certainty_entropy(logits: Array, labels: Array, mask: Array) -> Array:
+  """The mean entropy of softmax(logits) [..., V] over the positions of `mask` whose argmax is already the
+  label (0 where there are none): certainty forcing's term. Which positions count takes no gradient."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  probs = jnp.exp(log_probs)
+  entropy = -jnp.sum(jnp.where(probs > 0, probs * log_probs, 0.0), axis=-1)  # 0 log 0 = 0
+  right = jax.lax.stop_gradient((jnp.argmax(logits, -1) == labels) & mask).astype(jnp.float32)
+  return (right * entropy).sum() / jnp.maximum(right.sum(), 1.0)
+
+
 def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config: LossConfig, *,
                    num_canvases: int, canvas_index: Array | None = None) -> tuple[Array, dict]:
   """(total loss, metrics) of one batch `{'tokens': [B, L], 'prompt_length': [B]}`.
@@ -149,7 +169,8 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     batch: clean sequences; each row's canvases start at its `prompt_length`; an optional
       `num_canvases` [B] gives each row's canvases (default n for every row); an optional `given` [B, L]
       bool marks canvas positions held as they are (infilling, e.g. a puzzle's clues): never corrupted,
-      never a target.
+      never a target; an optional `ar_targets` [B, L] bool limits the AR loss to the tokens it marks as
+      targets (e.g. the real text of a row whose canvases are a teacher's output).
     rng: all randomness of the loss (t, corruption, canvas choice, self-conditioning rows).
     config: the objective.
     num_canvases: n, canvases per row after the prompt (static).
@@ -167,11 +188,12 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   k_t, k_noise, k_canvas, k_sc = jax.random.split(rng, 4)
   rows = batch.get("num_canvases")
   rows = jnp.full((b,), n, jnp.int32) if rows is None else jnp.clip(rows.astype(jnp.int32), 1, n)  # [B]
-  cache, ar_loss = _encoder_pass(model, params, tokens, start, rows, config, c)
+  cache, ar_loss = _encoder_pass(model, params, tokens, start, rows, config, c, batch.get("ar_targets"))
   if config.diffusion_loss_weight == 0:  # the AR baseline: no denoiser pass at all
     zero = jnp.zeros((), jnp.float32)
     metrics = {"loss": config.ar_loss_weight * ar_loss, "diffusion_loss": zero, "diffusion_ce": zero,
-               "ar_loss": ar_loss, "corrupted_accuracy": zero, "corrupted_fraction": zero}
+               "ar_loss": ar_loss, "corrupted_accuracy": zero, "corrupted_fraction": zero,
+               "certainty_entropy": zero}
     return metrics["loss"], metrics
 
   offsets = start[:, None] + jnp.arange(n * c, dtype=jnp.int32)[None]  # [B, nC]
@@ -206,6 +228,10 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
 
   correct = (jnp.argmax(logits, -1) == clean).astype(jnp.float32)
   corrupted = corrupted.astype(jnp.float32) * valid
+  certainty = jnp.zeros((), jnp.float32)
+  if config.certainty_weight > 0:
+    certainty = certainty_entropy(logits, clean, corrupted > 0)
+    loss = loss + config.certainty_weight * certainty
   metrics = {
       "loss": loss,
       "diffusion_loss": loss_diffusion,
@@ -213,5 +239,6 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
       "ar_loss": ar_loss,
       "corrupted_accuracy": (correct * corrupted).sum() / jnp.maximum(corrupted.sum(), 1.0),
       "corrupted_fraction": corrupted.sum() / count,
+      "certainty_entropy": certainty,
   }
   return loss, metrics

@@ -52,6 +52,7 @@ class NoiseProcess(Protocol):
   name: str
   vocab_size: int
   loss_is_elbo: bool  # the weighted loss bounds the negative log-likelihood
+  fixes_accepted: bool  # accepted positions never change again (what `SamplerConfig.reuse` relies on)
 
   @property
   def never_token(self) -> int | None: ...
@@ -119,6 +120,7 @@ class UniformNoise:
   vocab_size: int
   name: ClassVar[str] = "uniform"
   loss_is_elbo: ClassVar[bool] = False
+  fixes_accepted: ClassVar[bool] = False  # accepted tokens may change later (every position is re-drawn)
 
   def __post_init__(self):
     _check_vocab(self.vocab_size)
@@ -167,6 +169,7 @@ class MaskedNoise:
   mask_token_id: int | None = None
   name: ClassVar[str] = "masked"
   loss_is_elbo: ClassVar[bool] = True
+  fixes_accepted: ClassVar[bool] = True  # an accepted token stays for good
 
   def __post_init__(self):
     _check_vocab(self.vocab_size)

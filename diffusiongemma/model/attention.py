@@ -153,6 +153,54 @@ class Attention(nn.Module):
       mask |= extra_mask
     return self.attend(q, keys.astype(q.dtype), values.astype(q.dtype), mask), keys, values
 
+  def encode_denoise(self, x: Array, positions: Array, keys: Array, values: Array, length: Array
+                     ) -> tuple[Array, Array, Array, Array, Array]:
+    """`encode` of the first half of x and `denoise` of the second half, in one pass: x [B, 2C, D] holds C
+    committed tokens, written into the cache at `positions` [B, :C] and attending causally (as `encode`),
+    then a canvas of C at the C positions after them, attending to the cache including the committed
+    tokens and bidirectionally to itself (as `denoise` after that encode). Returns (out [B, 2C, D], keys,
+    values, the canvas's own keys and values [B, C, K, H]), the same as the two calls up to the order of
+    float sums."""
+    q, k, v = self.project(x, positions)
+    b, c = x.shape[0], x.shape[1] // 2
+    keys = keys.at[jnp.arange(b)[:, None], positions[:, :c]].set(k[:, :c].astype(keys.dtype))
+    values = values.at[jnp.arange(b)[:, None], positions[:, :c]].set(v[:, :c].astype(values.dtype))
+    new_length = length + c
+    slot = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
+    query_pos = positions[:, :c, None]  # [B, C, 1]: the committed tokens (causal, as encode)
+    encoder = (slot <= query_pos) & (slot < new_length[:, None, None])
+    decoder = slot < new_length[:, None, None]  # [B, 1, S]: the canvas (as denoise)
+    if not self.is_full:
+      encoder &= slot > query_pos - self.config.sliding_window
+      decoder &= slot >= new_length[:, None, None] - (self.config.sliding_window - 1)
+    mask = jnp.concatenate([
+        jnp.concatenate([encoder, jnp.zeros((b, c, c), bool)], axis=2),
+        jnp.concatenate([jnp.broadcast_to(decoder, (b, c, keys.shape[1])), jnp.ones((b, c, c), bool)], axis=2),
+    ], axis=1)  # [B, 2C, S + C]
+    all_keys = jnp.concatenate([keys.astype(q.dtype), k[:, c:]], axis=1)
+    all_values = jnp.concatenate([values.astype(q.dtype), v[:, c:]], axis=1)
+    return self.attend(q, all_keys, all_values, mask), keys, values, k[:, c:], v[:, c:]
+
+  def denoise_subset(self, x: Array, positions: Array, index: Array, keys: Array, values: Array,
+                     length: Array, canvas_keys: Array, canvas_values: Array) -> tuple[Array, Array, Array]:
+    """`denoise` of some canvas positions only: x [B, W, D] at canvas slots `index` [B, W] (positions
+    `positions`), attending to the cache as `denoise` does and to every canvas slot: the W given ones with
+    their fresh keys and values, the others with those of `canvas_keys` / `canvas_values` [B, C, K, H] (an
+    earlier pass's). Returns (out [B, W, D], the canvas keys and values with the W slots replaced). With
+    `index` holding every slot this is `denoise` (up to the order of float sums)."""
+    q, k, v = self.project(x, positions)
+    rows = jnp.arange(x.shape[0])[:, None]
+    canvas_keys = canvas_keys.at[rows, index].set(k.astype(canvas_keys.dtype))
+    canvas_values = canvas_values.at[rows, index].set(v.astype(canvas_values.dtype))
+    slot = jnp.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
+    cache_mask = slot < length[:, None, None]  # [B, 1, S]
+    if not self.is_full:
+      cache_mask &= slot >= length[:, None, None] - (self.config.sliding_window - 1)
+    mask = jnp.concatenate([cache_mask, jnp.ones((x.shape[0], 1, canvas_keys.shape[1]), bool)], axis=2)
+    all_keys = jnp.concatenate([keys.astype(q.dtype), canvas_keys.astype(q.dtype)], axis=1)
+    all_values = jnp.concatenate([values.astype(q.dtype), canvas_values.astype(q.dtype)], axis=1)
+    return self.attend(q, all_keys, all_values, mask), canvas_keys, canvas_values
+
   def denoise(self, x: Array, positions: Array, keys: Array, values: Array, length: Array,
               block_length: int | None = None) -> Array:
     """Bidirectional attention of a canvas over [cache ; canvas]; the cache is only read.

@@ -45,12 +45,13 @@ class Block(nn.Module):
     scalar = lambda name: layers.param(self, name, nn.initializers.ones, (), pdt, ())
     self.encoder_scalar, self.decoder_scalar = scalar("encoder_scalar"), scalar("decoder_scalar")
 
-  def _feed_forward(self, h: Array, scalar: Array, skip_rows: Array | None = None) -> Array:
+  def _feed_forward(self, h: Array, scalar: Array, skip: Array | None = None) -> Array:
+    """skip [B, L] bool: tokens whose output is not needed (the experts leave them out)."""
     b, l, d = h.shape
     dense = self.post_ffw1_norm(self.mlp(self.pre_ffw_norm(h)))
     tokens = h.reshape(b * l, d)
     weights, experts = self.router(tokens)
-    skip = None if skip_rows is None else jnp.repeat(skip_rows, l)
+    skip = None if skip is None else skip.reshape(b * l)
     sparse = self.experts(self.pre_ffw2_norm(tokens), weights, experts, skip).reshape(b, l, d)
     out = h + self.post_ffw_norm(dense + self.post_ffw2_norm(sparse))
     return out * scalar.astype(out.dtype)
@@ -64,7 +65,27 @@ class Block(nn.Module):
   def denoise(self, x, positions, keys, values, length, block_length=None, skip_rows=None):
     h = x + self.post_attention_norm(self.attn.denoise(self.pre_attention_norm(x), positions, keys,
                                                        values, length, block_length))
-    return self._feed_forward(h, self.decoder_scalar, skip_rows)
+    skip = None if skip_rows is None else jnp.broadcast_to(skip_rows[:, None], x.shape[:2])
+    return self._feed_forward(h, self.decoder_scalar, skip)
+
+  def denoise_subset(self, x, positions, index, keys, values, length, canvas_keys, canvas_values, skip_rows=None):
+    attn, canvas_keys, canvas_values = self.attn.denoise_subset(
+        self.pre_attention_norm(x), positions, index, keys, values, length, canvas_keys, canvas_values)
+    h = x + self.post_attention_norm(attn)
+    skip = None if skip_rows is None else jnp.broadcast_to(skip_rows[:, None], x.shape[:2])
+    return self._feed_forward(h, self.decoder_scalar, skip), canvas_keys, canvas_values
+
+  def encode_denoise(self, x, positions, keys, values, length, skip_rows=None):
+    """`encode` of x[:, :C] and `denoise` of x[:, C:] after it, in one pass (`Attention.encode_denoise`):
+    each half with its own layer scalar."""
+    attn, keys, values, canvas_keys, canvas_values = self.attn.encode_denoise(
+        self.pre_attention_norm(x), positions, keys, values, length)
+    h = x + self.post_attention_norm(attn)
+    b, l = x.shape[:2]
+    is_canvas = jnp.arange(l) >= l // 2  # [2C]
+    scalar = jnp.where(is_canvas, self.decoder_scalar, self.encoder_scalar)[None, :, None]
+    skip = None if skip_rows is None else skip_rows[:, None] & is_canvas[None]
+    return self._feed_forward(h, scalar, skip), keys, values, canvas_keys, canvas_values
 
 
 class SelfConditioning(nn.Module):
@@ -118,7 +139,7 @@ class DiffusionGemma(nn.Module):
                                     jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype))
     block = Block
     if cfg.remat:
-      block = nn.remat(Block, methods=["encode", "denoise"])
+      block = nn.remat(Block, methods=["encode", "denoise", "encode_denoise", "denoise_subset"])
     self.blocks = [block(cfg, i, name=f"layer_{i}") for i in range(cfg.num_layers)]
     self.final_norm = layers.RMSNorm(cfg.rms_norm_eps, param_dtype=jnp.dtype(cfg.param_dtype))
     self.self_conditioning = SelfConditioning(cfg)
@@ -228,6 +249,65 @@ class DiffusionGemma(nn.Module):
       x = block.denoise(x, positions, cache.keys[i], cache.values[i], cache.length, block_length, skip_rows)
     x = self.final_norm(x)
     return x if return_hidden else self.embedder.decode(x)
+
+  def encode_denoise(self, committed: Array, canvas: Array, cache: KVCache, *,
+                     self_conditioning_embedding: Array | None = None,
+                     self_conditioning_mask: Array | None = None,
+                     skip_rows: Array | None = None
+                     ) -> tuple[Array, KVCache, tuple[tuple[Array, ...], tuple[Array, ...]]]:
+    """`encode(committed, cache)` then `denoise(canvas, that cache, ..., return_hidden=True)` in one pass:
+    (the canvas's final hidden states [B, C, D], the cache with the committed tokens [B, C] appended, the
+    canvas's own keys and values per layer [B, C, K, H], as `denoise_subset` keeps them).
+
+    What a sampler does at the start of every canvas but the first (it commits the previous canvas, then
+    denoises the next): one pass over 2C tokens instead of two over C, so the weights are read once. The
+    committed tokens attend causally and the canvas as `denoise` does; the values equal the two calls' up
+    to the order of float sums (tested). Every row's C committed tokens are real (no images, no padding).
+    """
+    b, c = canvas.shape
+    if committed.shape != canvas.shape:
+      raise ValueError(f"encode_denoise takes a committed canvas and a canvas of the same shape, got "
+                       f"{committed.shape} and {canvas.shape}.")
+    x_canvas = self.embedder.encode(canvas)  # [B, C, D]
+    signal = None if self_conditioning_embedding is None else self_conditioning_embedding.astype(x_canvas.dtype)
+    if signal is not None and self_conditioning_mask is not None:
+      signal = signal * self_conditioning_mask.astype(signal.dtype)[:, None, None]
+    x = jnp.concatenate([self.embedder.encode(committed), self.self_conditioning(x_canvas, signal)], axis=1)
+    positions = cache.length[:, None] + jnp.arange(2 * c, dtype=jnp.int32)[None]  # [B, 2C]
+    keys, values, canvas_keys, canvas_values = [], [], [], []
+    for i, block in enumerate(self.blocks):
+      x, k, v, ck, cv = block.encode_denoise(x, positions, cache.keys[i], cache.values[i], cache.length,
+                                             skip_rows)
+      keys.append(k)
+      values.append(v)
+      canvas_keys.append(ck)
+      canvas_values.append(cv)
+    return (self.final_norm(x[:, c:]), KVCache(tuple(keys), tuple(values), cache.length + c),
+            (tuple(canvas_keys), tuple(canvas_values)))
+
+  def denoise_subset(self, tokens: Array, index: Array, cache: KVCache, canvas_keys: tuple[Array, ...],
+                     canvas_values: tuple[Array, ...], *, self_conditioning_embedding: Array | None = None,
+                     self_conditioning_mask: Array | None = None, skip_rows: Array | None = None
+                     ) -> tuple[Array, tuple[Array, ...], tuple[Array, ...]]:
+    """The denoiser's final hidden states [B, W, D] at canvas slots `index` [B, W] only (their tokens
+    `tokens` [B, W], their self-conditioning embedding [B, W, D]), the other slots entering attention with
+    the keys and values an earlier pass left in `canvas_keys` / `canvas_values` (per layer [B, C, K, H]);
+    returns those with the W slots' fresh ones written in. What a sampler that reuses settled positions
+    runs (`Sampler` with `SamplerConfig.reuse`); with `index` = every slot it is `denoise` exactly (up to
+    the order of float sums) and the keys and values are that pass's."""
+    x = self.embedder.encode(tokens)  # [B, W, D]
+    signal = None if self_conditioning_embedding is None else self_conditioning_embedding.astype(x.dtype)
+    if signal is not None and self_conditioning_mask is not None:
+      signal = signal * self_conditioning_mask.astype(signal.dtype)[:, None, None]
+    x = self.self_conditioning(x, signal)
+    positions = cache.length[:, None] + index.astype(jnp.int32)  # [B, W]
+    keys, values = [], []
+    for i, block in enumerate(self.blocks):
+      x, k, v = block.denoise_subset(x, positions, index, cache.keys[i], cache.values[i], cache.length,
+                                     canvas_keys[i], canvas_values[i], skip_rows)
+      keys.append(k)
+      values.append(v)
+    return self.final_norm(x), tuple(keys), tuple(values)
 
   def embedding_table(self) -> Array:
     """The embedding [V, D], which is also the LM head (tied), for a head outside the module."""

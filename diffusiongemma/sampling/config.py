@@ -9,6 +9,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
+DRAWS = ("sample", "argmax")  # SamplerConfig.draw
+REUSES = ("none", "settled")  # SamplerConfig.reuse
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplerConfig:
   """The released sampler's settings (transformers' `generate` defaults), frozen and hashable.
@@ -31,6 +35,16 @@ class SamplerConfig:
     whose [batch, canvas, chunk] arrays do, and on a CPU at most 1024 tokens per chunk (faster there:
     `sampling/vocab.py`). The same tokens either way, up to the order of float sums.
   vocab_budget_mib: the memory budget of "auto", in MiB (256: one chunk at batch 1 and vocabulary 262,144).
+  draw: what an accepted position takes: "sample" (released: a draw from the step's tempered
+    distribution) or "argmax" (its most likely token, as greedy parallel decoders such as Fast-dLLM do;
+    which positions are accepted does not change).
+  fuse_commit: encode each committed canvas in the next canvas's first denoiser pass (one model pass over
+    both, `DiffusionGemma.encode_denoise`) instead of a pass of its own: the weights are read once, the
+    tokens are the same.
+  reuse: "none" (every pass recomputes every position) or "settled" (a pass recomputes only positions not
+    yet settled and reuses the keys, values and hidden states of the others as last computed: approximate,
+    Fast-dLLM style; `steps.reuse_pass`); needs a noise process whose accepted positions stay fixed
+    (masked). reuse_refresh: with "settled", a whole pass every this many passes (0: only the first).
   """
 
   max_denoising_steps: int = 48
@@ -44,6 +58,10 @@ class SamplerConfig:
   prompt_bucket: int = 64
   vocab_chunk_size: int | str | None = "auto"
   vocab_budget_mib: float = 256
+  draw: str = "sample"
+  fuse_commit: bool = False
+  reuse: str = "none"
+  reuse_refresh: int = 0
 
   def __post_init__(self):
     if self.stop_tokens is not None:
@@ -79,6 +97,14 @@ class SamplerConfig:
       fail("stop_tokens", "must be non-negative token ids")
     if self.canvas_length is not None and (not is_int(self.canvas_length) or self.canvas_length < 1):
       fail("canvas_length", "must be None or a positive integer")
+    if self.reuse not in REUSES:
+      fail("reuse", f"must be one of {REUSES}")
+    if not is_int(self.reuse_refresh) or self.reuse_refresh < 0:
+      fail("reuse_refresh", "must be an integer >= 0 (0: no refresh after the first pass)")
+    if not isinstance(self.fuse_commit, bool):
+      fail("fuse_commit", "must be True or False")
+    if self.draw not in DRAWS:
+      fail("draw", f"must be one of {DRAWS}")
     chunk = self.vocab_chunk_size
     if chunk is not None and chunk != "auto" and (not is_int(chunk) or chunk < 1):
       fail("vocab_chunk_size", 'must be None, "auto" or a positive integer')

@@ -69,6 +69,7 @@ class _CanvasLoop:
   canvas_passes: Array  # [B, K] int32
   trace: steps.StepTrace | None
   automaton_state: Array | None  # [B] int32 with a constraint: the state after the committed canvases
+  pending: Array | None  # [B, C] with `fuse_commit`: the last committed canvas, not yet in the cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +193,10 @@ class Sampler:
                                                          config.confidence_threshold))
     if self.schedule is None:
       set_("schedule", schedules_lib.Linear(config.t_max, config.t_min))
+    if config.reuse != "none" and not self.noise.fixes_accepted:
+      raise ValueError(f"SamplerConfig.reuse={config.reuse!r} needs a noise process whose accepted positions stay "
+                       f"fixed (masked); the {self.noise.name} noise rewrites every position at every pass, so "
+                       "nothing would settle. Use reuse='none'.")
     set_("stop_tokens", stop_tokens)
     set_("head", vocab.VocabHead.for_model(mc, self.noise.never_token, config.vocab_chunk_size,
                                            config.vocab_budget_mib,
@@ -200,7 +205,8 @@ class Sampler:
   @property
   def rules(self) -> steps.Rules:
     return steps.Rules(max_denoising_steps=self.config.max_denoising_steps, schedule=self.schedule,
-                       noise=self.noise, acceptance=self.acceptance, stopping=self.stopping)
+                       noise=self.noise, acceptance=self.acceptance, stopping=self.stopping,
+                       greedy=self.config.draw == "argmax")
 
   @property
   def canvas_length(self) -> int:
@@ -342,7 +348,28 @@ class Sampler:
     hidden = lambda canvas, sc, mask, done: model.apply(
         variables, canvas, cache, None, mask, return_hidden=True, self_conditioning_embedding=sc,
         skip_rows=done, method=model.denoise)
-    return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table))
+    subset = None
+    if self.config.reuse != "none":
+      subset = lambda tokens, slots, sc, mask, done, keys, values: model.apply(
+          variables, tokens, slots, cache, keys, values, self_conditioning_embedding=sc,
+          self_conditioning_mask=mask, skip_rows=done, method=model.denoise_subset)
+    return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table), subset=subset,
+                          widths=self.reuse_widths, refresh=self.config.reuse_refresh)
+
+  @property
+  def reuse_widths(self) -> tuple[int, ...]:
+    """The widths a pass that reuses settled positions may take: the canvas, halved up to three times (at
+    least 4 positions), ascending."""
+    c = self.canvas_length
+    return tuple(sorted({max(min(c, 4), -(-c // 2**i)) for i in range(4)}))
+
+  def encode_denoise(self, variables, committed: Array, state: steps.DenoiseState, cache: KVCache
+                     ) -> tuple[Array, KVCache]:
+    """(the first pass's hidden states of the canvas of `state`, the cache with `committed` appended):
+    encoding the previous canvas and the next canvas's first pass in one model pass."""
+    model = self.model
+    return model.apply(variables, committed, state.canvas, cache, self_conditioning_embedding=state.sc_embedding,
+                       self_conditioning_mask=state.has_sc, skip_rows=state.done, method=model.encode_denoise)
 
   def encode(self, variables, tokens: Array, cache: KVCache, num_tokens: Array | None = None,
              images: tuple[Array, Array] | None = None) -> KVCache:
@@ -363,6 +390,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   listener: the id of the host listener every pass is sent to (`stream`)."""
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
+  fuse, reuse = sampler.config.fuse_commit, sampler.config.reuse != "none"
   stop_tokens = jnp.asarray(sampler.stop_tokens, jnp.int32)
   if cache is None:  # room for the prompt and every canvas but the last, which is never encoded
     cache = KVCache.empty(mc, b, prompt.shape[1] + (num_canvases - 1) * c)
@@ -379,7 +407,28 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
       held = jax.lax.dynamic_slice_in_dim(given, k * c, c, axis=1)
       start = jnp.where(held, jax.lax.dynamic_slice_in_dim(initial, k * c, c, axis=1), start)
     state = steps.init_state(rules, start, loop.finished, mc.hidden_size, mc.param_dtype, held)
-    denoiser = sampler.denoiser(variables, loop.cache)
+    if reuse:
+      state = state.replace(reuse=steps.Reuse.empty([mc.layer_dims(i) for i in range(mc.num_layers)], b, c,
+                                                    mc.hidden_size, mc.dtype))
+    cache, first_hidden = loop.cache, None
+    if fuse:  # the previous canvas is encoded in this canvas's first pass
+      def first_pass(cc):
+        if not reuse:
+          return sampler.denoiser(variables, cc).hidden(state.canvas, state.sc_embedding, state.has_sc,
+                                                        state.done), cc, state.reuse
+        slots = jnp.broadcast_to(jnp.arange(c), (b, c))
+        hidden, keys, values = sampler.denoiser(variables, cc).subset(
+            state.canvas, slots, state.sc_embedding, state.has_sc, state.done, state.reuse.keys,
+            state.reuse.values)
+        return hidden, cc, state.reuse.replace(keys=keys, values=values)
+
+      def fused(cc):
+        hidden, cc, (keys, values) = sampler.encode_denoise(variables, loop.pending, state, cc)
+        return hidden, cc, None if not reuse else state.reuse.replace(keys=keys, values=values)
+
+      first_hidden, cache, first_reuse = jax.lax.cond(k > 0, fused, first_pass, cache)
+      state = state.replace(reuse=first_reuse)
+    denoiser = sampler.denoiser(variables, cache)
     if constraint is not None:
       denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint(
           tables=tables, start=loop.automaton_state, end_ok=ends[k]))
@@ -388,7 +437,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
       emit = lambda before, after: jax.debug.callback(
           _LISTENERS.emit, listener, k, before.step, after.argmax, after.canvas, after.accepted, after.fixed,
           ~before.done, after.done, ordered=True)
-    state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace, emit)
+    state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace, emit, first_hidden)
     committed = state.argmax  # [B, C]
     is_stop = jnp.isin(committed, stop_tokens)
     seen = jnp.cumsum(is_stop, axis=-1)
@@ -403,18 +452,23 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
       automaton_state = cons.advance(tables, automaton_state, committed)
     return _CanvasLoop(
         index=k + 1,
-        cache=jax.lax.cond(k + 1 < num_canvases, commit, lambda cc: cc, loop.cache),
+        cache=cache if fuse else jax.lax.cond(k + 1 < num_canvases, commit, lambda cc: cc, cache),
         tokens=jax.lax.dynamic_update_slice_in_dim(loop.tokens, committed, k * c, axis=1),
         finished=loop.finished | is_stop.any(axis=-1),
         canvas_passes=loop.canvas_passes.at[:, k].set(state.passes),
-        trace=trace, automaton_state=automaton_state)
+        trace=trace, automaton_state=automaton_state, pending=committed if fuse else None)
 
   loop = _CanvasLoop(
       index=jnp.zeros((), jnp.int32), cache=cache, tokens=jnp.full((b, num_canvases * c), mc.pad_id, jnp.int32),
       finished=jnp.zeros((b,), bool), canvas_passes=jnp.zeros((b, num_canvases), jnp.int32),
       trace=steps.StepTrace.zeros((num_canvases, rules.max_denoising_steps, b, c)) if return_trace else None,
-      automaton_state=None if constraint is None else jnp.full((b,), constraint.automaton.start, jnp.int32))
+      automaton_state=None if constraint is None else jnp.full((b,), constraint.automaton.start, jnp.int32),
+      pending=jnp.full((b, c), mc.pad_id, jnp.int32) if fuse else None)
   loop = jax.lax.while_loop(lambda lp: (lp.index < num_canvases) & ~jnp.all(lp.finished), canvas_body, loop)
+  if fuse and return_cache:  # as unfused: every committed canvas but the call's last canvas slot is encoded
+    loop = loop.replace(cache=jax.lax.cond(
+        (loop.index > 0) & (loop.index < num_canvases), lambda cc: sampler.encode(variables, loop.pending, cc),
+        lambda cc: cc, loop.cache))
   passes = loop.canvas_passes.sum(axis=-1)
   new = loop.tokens != mc.pad_id
   valid = jnp.sum(new if given is None else new & ~given, axis=-1)

@@ -15,7 +15,7 @@ Axes: B batch, C canvas, D model, V vocab, N steps.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -34,13 +34,15 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class Rules:
   """Everything a denoising step needs besides the model and its randomness (hashable: static). At step n
-  of N remaining (N .. 1) the logits are divided by `schedule(n, N)`."""
+  of N remaining (N .. 1) the logits are divided by `schedule(n, N)`. `greedy`: accepted positions take
+  their argmax instead of a draw (`SamplerConfig.draw == "argmax"`)."""
 
   max_denoising_steps: int
   schedule: schedules_lib.Schedule
   noise: noise_lib.NoiseProcess
   acceptance: acceptance_lib.AcceptanceRule
   stopping: stopping_lib.StoppingRule
+  greedy: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,6 +58,32 @@ class Denoiser:
   head: vocab.VocabHead
   table: Array
   constraint: Any = None  # e.g. `sampling.constrained.CanvasConstraint`, whose `sample_step` is used
+  # With reuse (`SamplerConfig.reuse`): `subset(tokens [B, W], slots [B, W], self-conditioning [B, W, D], its
+  # row mask, done rows, canvas keys, canvas values) -> (hidden [B, W, D], keys, values)`, the widths W a
+  # pass may take (ascending, the last the whole canvas) and the refresh period (a whole pass every
+  # `refresh` passes; 0: only the first).
+  subset: Callable | None = None
+  widths: tuple[int, ...] = ()
+  refresh: int = 0
+
+
+@flax.struct.dataclass
+class Reuse:
+  """What a pass that reuses settled positions carries (`SamplerConfig.reuse="settled"`): every canvas
+  slot's keys and values per layer [B, C, K, H] and final hidden state [B, C, D] as last computed, and
+  which slots are settled [B, C] (computed since their token was fixed: passes leave them out)."""
+
+  keys: tuple[Array, ...]
+  values: tuple[Array, ...]
+  hidden: Array
+  settled: Array
+
+  @classmethod
+  def empty(cls, layer_dims: Sequence[tuple[int, int]], batch: int, canvas: int, hidden_size: int, dtype
+            ) -> "Reuse":
+    kv = lambda: tuple(jnp.zeros((batch, canvas, k, h), dtype) for k, h in layer_dims)
+    return cls(keys=kv(), values=kv(), hidden=jnp.zeros((batch, canvas, hidden_size), dtype),
+               settled=jnp.zeros((batch, canvas), bool))
 
 
 @flax.struct.dataclass
@@ -72,6 +100,7 @@ class DenoiseState:
   done: Array  # [B] bool
   passes: Array  # [B] int32: denoiser passes that counted for this row
   accepted: Array  # [B, C] bool: positions accepted by the last step
+  reuse: Reuse | None = None  # with `SamplerConfig.reuse="settled"`
 
 
 @flax.struct.dataclass
@@ -148,7 +177,8 @@ def plain_sample_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, hid
                      fixed=fixed, argmax=argmax)
 
 
-def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array) -> DenoiseState:
+def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array,
+                 hidden: Array | None = None) -> DenoiseState:
   """One denoising pass: sample, accept, re-noise, check stopping (the released algorithm).
 
   The denoiser sees the canvas and the previous step's self-conditioning embedding; the head gives the
@@ -160,6 +190,8 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
 
   With `denoiser.constraint`, its `sample_step` replaces `plain_sample_step` (the statistics, acceptance,
   draw, re-noising and the argmax canvas; `sampling.constrained`); the rest of the step is the same.
+  `hidden` [B, C, D]: the denoiser's output for this state when the caller already has it (the sampler's
+  first pass of a canvas, fused with encoding the previous one); otherwise `denoiser.hidden` runs.
   """
   b, c = state.canvas.shape
   remaining = rules.max_denoising_steps - state.step
@@ -167,7 +199,15 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, state.step)
   sample_keys, noise_keys = jnp.moveaxis(jax.vmap(jax.random.split)(step_keys), 1, 0)
   uniforms = vocab.uniforms(sample_keys, c)  # [B, C]
-  hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
+  if rules.greedy:  # u = 0 < every top probability: each draw is its argmax
+    uniforms = jnp.zeros_like(uniforms)
+  reuse = state.reuse
+  if hidden is None and reuse is not None:
+    hidden, reuse = reuse_pass(denoiser, state)
+  elif hidden is None:
+    hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
+  elif reuse is not None:  # a whole pass the caller ran, its keys and values already in `state.reuse`
+    reuse = reuse.replace(hidden=hidden, settled=reuse.settled | state.fixed)
   sample_step = plain_sample_step if denoiser.constraint is None else denoiser.constraint.sample_step
   out = sample_step(rules, denoiser, state, hidden, temp, uniforms, noise_keys)
   stats, accepted, canvas, fixed, argmax = out.stats, out.accepted, out.canvas, out.fixed, out.argmax
@@ -191,7 +231,47 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
       done=done | stop,
       passes=state.passes + (~done).astype(jnp.int32),
       accepted=accepted & ~keep,
+      reuse=reuse,
   )
+
+
+def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
+  """The pass of a sampler that reuses settled positions: (hidden [B, C, D], the reuse state after it).
+
+  Slots not yet settled are recomputed (all of them on the first pass and every `denoiser.refresh`
+  passes), gathered into the narrowest of `denoiser.widths` that holds every row's (rows that are done
+  need none and keep everything; a row with fewer fills its extra slots with copies of its first, whose
+  results are the same); they attend to the other slots through the keys and values those had when last computed, and the
+  settled slots keep their last hidden state. A slot is settled once it has been computed while fixed
+  (its token final), so each accepted token is recomputed once with itself in place before it is reused.
+  """
+  reuse, c = state.reuse, state.canvas.shape[1]
+  full = (state.step == 0) | ((denoiser.refresh > 0) & (state.step % max(denoiser.refresh, 1) == 0))
+  compute = (~reuse.settled | full) & ~state.done[:, None]  # [B, C]
+  count = compute.sum(-1)  # [B]
+  order = jnp.argsort(~compute, axis=-1, stable=True)  # the slots to compute first, in order
+  rows = jnp.arange(state.canvas.shape[0])[:, None]
+
+  def at_width(width: int):
+    def run(reuse: Reuse):
+      slots = order[:, :width]
+      slots = jnp.where(jnp.arange(width)[None] < count[:, None], slots, slots[:, :1])  # [B, W]
+      hidden, keys, values = denoiser.subset(
+          jnp.take_along_axis(state.canvas, slots, 1), slots,
+          jnp.take_along_axis(state.sc_embedding, slots[..., None], 1), state.has_sc, state.done, reuse.keys,
+          reuse.values)
+      keep = lambda new, old: jnp.where(state.done.reshape((-1,) + (1,) * (old.ndim - 1)), old, new)
+      hidden = reuse.hidden.at[rows, slots].set(hidden.astype(reuse.hidden.dtype))
+      return reuse.replace(keys=tuple(map(keep, keys, reuse.keys)), values=tuple(map(keep, values, reuse.values)),
+                           hidden=keep(hidden, reuse.hidden))
+    return run
+
+  widths = denoiser.widths
+  branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(count), side="left")
+  branch = jnp.where(full, len(widths) - 1, jnp.minimum(branch, len(widths) - 1))
+  reuse = jax.lax.switch(branch, [at_width(w) for w in widths], reuse)
+  computed = compute | (full & ~state.done[:, None])
+  return reuse.hidden, reuse.replace(settled=reuse.settled | (computed & state.fixed))
 
 
 def should_continue(rules: Rules, state: DenoiseState) -> Array:
@@ -200,18 +280,28 @@ def should_continue(rules: Rules, state: DenoiseState) -> Array:
 
 def denoise_canvas(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Array,
                    return_trace: bool = False,
-                   emit: Callable[[DenoiseState, DenoiseState], None] | None = None
-                   ) -> tuple[DenoiseState, StepTrace | None]:
+                   emit: Callable[[DenoiseState, DenoiseState], None] | None = None,
+                   first_hidden: Array | None = None) -> tuple[DenoiseState, StepTrace | None]:
   """Steps until every row is done or the step cap is reached, in one `lax.while_loop`. `emit(before,
   after)`, if given, is called in the program after every step (e.g. a host callback streaming the
-  canvas); it cannot change the step."""
+  canvas); it cannot change the step. `first_hidden`: the denoiser's output for `state`, computed by the
+  caller: the first step uses it (and runs before the loop, as every canvas's first step runs)."""
 
-  def step(s):
-    after = denoise_step(rules, denoiser, s, keys)
+  def step(s, hidden=None):
+    after = denoise_step(rules, denoiser, s, keys, hidden)
     if emit is not None:
       emit(s, after)
     return after
 
+  def record(s: DenoiseState, t: StepTrace, i: Array) -> StepTrace:
+    return StepTrace(t.argmax.at[i].set(s.argmax), t.canvas.at[i].set(s.canvas),
+                     t.accepted.at[i].set(s.accepted))
+
+  trace = StepTrace.zeros((rules.max_denoising_steps,) + state.canvas.shape) if return_trace else None
+  if first_hidden is not None:
+    i = state.step
+    state = step(state, first_hidden)
+    trace = record(state, trace, i) if return_trace else None
   if not return_trace:
     return jax.lax.while_loop(lambda s: should_continue(rules, s), step, state), None
 
@@ -219,9 +309,6 @@ def denoise_canvas(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: 
     s, t = carry
     i = s.step
     s = step(s)
-    t = StepTrace(t.argmax.at[i].set(s.argmax), t.canvas.at[i].set(s.canvas),
-                  t.accepted.at[i].set(s.accepted))
-    return s, t
+    return s, record(s, t, i)
 
-  trace = StepTrace.zeros((rules.max_denoising_steps,) + state.canvas.shape)
   return jax.lax.while_loop(lambda carry: should_continue(rules, carry[0]), body, (state, trace))
