@@ -261,3 +261,25 @@ def test_certainty_weight_and_ar_targets_in_the_loss(params):
   nll = -np.take_along_axis(np.asarray(log_probs), np.asarray(tokens)[:, 1:, None], -1)[..., 0]
   np.testing.assert_allclose(masked["ar_loss"], nll[targets[:, 1:]].mean(), rtol=1e-5)
   assert abs(float(masked["ar_loss"]) - float(plain["ar_loss"])) > 1e-4
+
+
+def test_suffix_fraction_masks_a_suffix_of_each_canvas(params):
+  """suffix_fraction=1: every canvas's corrupted positions are its last ceil(t C) (a clean prefix, a masked
+  rest), so the denoiser is taught the canvases a left-to-right rule decodes; uniform noise refuses it."""
+  config = diffusion.LossConfig(noise=diffusion.MaskedNoise(V), self_conditioning_prob=0.0, suffix_fraction=1.0)
+  b, n, c = 64, CANVASES, TINY.canvas_length
+  t = diffusion.noise.sample_time(jax.random.split(jax.random.PRNGKey(3), 4)[0], (b, n), config.eps)
+  spy = {}
+
+  class Tap(dg.DiffusionGemma):
+    def denoise(self, canvas, *args, **kwargs):
+      jax.debug.callback(lambda x: spy.__setitem__("canvas", np.asarray(x)), canvas)
+      return super().denoise(canvas, *args, **kwargs)
+
+  jax.jit(lambda p: diffusion.diffusion_loss(Tap(TINY), p, _batch(b=b), jax.random.PRNGKey(3),
+                                             config.replace(all_canvases=True), num_canvases=n)[0])(params)
+  masked = (spy["canvas"] == V - 1).reshape(b, n, c)  # clean tokens are < V - 1 (`_batch`)
+  np.testing.assert_array_equal(masked.sum(-1), np.ceil(np.asarray(t) * c))
+  assert (np.diff(masked.astype(int), axis=-1) >= 0).all()  # once masked, masked to the end
+  with pytest.raises(ValueError, match="suffix_fraction=0.5 masks suffixes: it needs masked noise"):
+    diffusion.LossConfig(noise=diffusion.UniformNoise(V), suffix_fraction=0.5)

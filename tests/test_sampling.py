@@ -228,6 +228,17 @@ def test_confidence_and_count_rules():
   np.testing.assert_array_equal(acceptance.TopCount(3)(conf, no_last), [[1, 1, 1, 0], [1, 0, 1, 1]])
 
 
+def test_confident_prefix_rule():
+  """Left to right: the first eligible position always, then each eligible one while it is confident
+  (fixed positions in between are skipped over); nothing for a row with nothing eligible."""
+  conf = _stats(confidence=jnp.array([[0.1, 0.9, 0.95, 0.3, 0.99], [0.9, 0.9, 0.9, 0.9, 0.9],
+                                      [0.5, 0.9, 0.99, 0.2, 0.9], [0.9, 0.9, 0.9, 0.9, 0.9]]))
+  eligible = jnp.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 0, 1, 1], [0, 0, 0, 0, 0]], bool)
+  np.testing.assert_array_equal(acceptance.ConfidentPrefix(0.8)(conf, eligible),
+                                [[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(acceptance.ConfidentPrefix(0.92)(conf, eligible)[0], [1, 0, 0, 0, 0])
+
+
 def test_margin_rule_on_hand_written_margins():
   """Margin accepts where top-1 minus top-2 probability reaches the threshold, else the single largest
   margin; a confident but torn position (0.5 / 0.45) waits where Confidence(0.4) would take it."""

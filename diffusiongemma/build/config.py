@@ -41,6 +41,7 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.diffusion.all_canvases = False  # train every canvas in one block-causal pass (BD3-LM style)
   config.diffusion.loss_weighting = "elbo"  # 'elbo' (masked noise: 1/t, a bound) | 'flat' (masked tokens alike)
   config.diffusion.certainty_weight = 0.0  # > 0: certainty forcing (entropy of right predictions, dParallel)
+  config.diffusion.suffix_fraction = 0.0  # masked noise: share of examples whose canvases mask a suffix
   config.diffusion.mask_token_id = -1  # masked noise: -1 means model.vocab_size - 1
 
   config.train = ml_collections.ConfigDict()

@@ -45,6 +45,7 @@ ACCEPTANCE: dict[str, Entry] = {
     "confidence": Entry(acceptance.Confidence, {"confidence_accept": "threshold"}),
     "count": Entry(acceptance.TopCount, {"tokens_per_step": "count"}),
     "margin": Entry(acceptance.Margin, {"margin_accept": "threshold"}),
+    "prefix": Entry(acceptance.ConfidentPrefix, {"prefix_accept": "threshold"}),
 }
 STOPPING: dict[str, Entry] = {
     "stable": Entry(stopping.stable_and_confident, {"stability_threshold": "stability_threshold",

@@ -3,6 +3,7 @@ stopping rules, temperature schedules, and the block-diffusion training loss."""
 
 from diffusiongemma.diffusion.acceptance import AcceptanceRule
 from diffusiongemma.diffusion.acceptance import Confidence
+from diffusiongemma.diffusion.acceptance import ConfidentPrefix
 from diffusiongemma.diffusion.acceptance import EntropyBound
 from diffusiongemma.diffusion.acceptance import Margin
 from diffusiongemma.diffusion.acceptance import TokenStats
@@ -28,7 +29,7 @@ from diffusiongemma.diffusion.stopping import stable_and_confident
 from diffusiongemma.diffusion.stopping import StoppingRule
 
 __all__ = [
-    "AcceptanceRule", "AllOf", "AnyOf", "ArgmaxStable", "Confidence", "Constant", "Cosine", "EntropyBound",
+    "AcceptanceRule", "AllOf", "AnyOf", "ArgmaxStable", "Confidence", "ConfidentPrefix", "Constant", "Cosine", "EntropyBound",
     "Linear", "LossConfig", "Margin", "MaskedNoise", "MeanEntropyBelow", "NEVER_LOGIT", "NoEarlyStop",
     "NoiseProcess", "Schedule", "StoppingRule", "TokenStats", "TopCount", "UniformNoise", "certainty_entropy", "diffusion_loss",
     "sample_time", "stable_and_confident",

@@ -142,3 +142,24 @@ class TopCount:
     sorted_eligible = jnp.take_along_axis(eligible, order, axis=-1)
     selected = (jnp.arange(key.shape[-1])[None] < self.count) & sorted_eligible
     return _scatter_sorted(order, selected)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfidentPrefix:
+  """Left to right: the first eligible position, and after it every eligible position up to the first one
+  whose top probability is below the threshold. Every pass writes the next token, as AR decoding would, and
+  goes on while the model is sure of what follows; a confident position after an unsure one waits (its
+  context is not settled), so the text is committed in order."""
+
+  threshold: float = 0.9
+  needs_margin: ClassVar[bool] = False
+
+  def __post_init__(self):
+    _check_number(self, "threshold", 0.0, 1.0, low_open=True)
+
+  def __call__(self, stats: TokenStats, eligible: Array) -> Array:
+    position = jnp.arange(eligible.shape[-1])[None]
+    first = jnp.argmax(eligible, axis=-1)[:, None]  # [B, 1]: the first eligible position (0 if none)
+    unsure = eligible & (stats.confidence < self.threshold) & (position > first)
+    stop = jnp.min(jnp.where(unsure, position, eligible.shape[-1]), axis=-1, keepdims=True)  # first unsure after it
+    return eligible & (position >= first) & (position < stop)

@@ -78,6 +78,10 @@ class LossConfig:
   # distribution over the corrupted positions it already predicts right (argmax == target), which pushes a
   # model that is right towards being sure, so that more positions pass a confidence threshold per pass.
   certainty_weight: float = 0.0
+  # Masked noise: this share of the examples masks a suffix of each canvas (its last ceil(t C) positions)
+  # instead of positions drawn independently: the canvases a left-to-right acceptance rule
+  # (`acceptance.ConfidentPrefix`) denoises, a clean prefix and a masked rest.
+  suffix_fraction: float = 0.0
 
   def __post_init__(self):
     if not hasattr(self.noise, "corrupt"):
@@ -94,6 +98,11 @@ class LossConfig:
     if not 0.0 <= self.certainty_weight < float("inf"):
       raise ValueError(f"config.diffusion.certainty_weight must be a finite number >= 0, got "
                        f"{self.certainty_weight}.")
+    if not 0.0 <= self.suffix_fraction <= 1.0:
+      raise ValueError(f"config.diffusion.suffix_fraction must be in [0, 1], got {self.suffix_fraction}.")
+    if self.suffix_fraction > 0 and getattr(self.noise, "mask_token_id", None) is None:
+      raise ValueError(f"config.diffusion.suffix_fraction={self.suffix_fraction} masks suffixes: it needs "
+                       f"masked noise, not {getattr(self.noise, 'name', self.noise)!r}.")
     if self.loss_weighting not in LOSS_WEIGHTINGS:
       raise ValueError(f"config.diffusion.loss_weighting={self.loss_weighting!r} is invalid; expected one of "
                        f"{LOSS_WEIGHTINGS}.")
@@ -203,6 +212,11 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
           else jnp.take_along_axis(held.astype(bool), offsets, axis=1).reshape(b, n, c))
   t = noise_lib.sample_time(k_t, (b, n), config.eps)  # [B, n]
   noisy, corrupted = noise.corrupt(k_noise, clean, t[..., None])  # [B, n, C]
+  if config.suffix_fraction > 0:
+    suffix = jnp.arange(c)[None, None] >= c - jnp.ceil(t[..., None] * c)  # [B, n, C]: the last ceil(t C)
+    chosen = jax.random.uniform(jax.random.fold_in(k_noise, 1), (b, 1, 1)) < config.suffix_fraction
+    corrupted = jnp.where(chosen, suffix, corrupted)
+    noisy = jnp.where(corrupted, jnp.asarray(noise.mask_token_id, clean.dtype), clean)
   noisy, corrupted = jnp.where(held, clean, noisy), corrupted & ~held
   weights = noise.loss_weights(corrupted, t[..., None]) * ~held  # [B, n, C]
   if config.loss_weighting == "flat":  # the same positions, without the 1/t
