@@ -6,6 +6,7 @@ Axes: B batch, L length, C canvas, D model, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -321,6 +322,14 @@ class DiffusionGemma(nn.Module):
     return self.denoise(canvas, cache, self_conditioning_logits, self_conditioning_mask)
 
 
+@functools.lru_cache(maxsize=16)
+def _template(config: ModelConfig):
+  """The parameter shapes of a (small) model, traced once per config: loading the same model again traces
+  nothing, and the cache holds shapes only."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  return jax.eval_shape(lambda: nn.unbox(DiffusionGemma(config).init(jax.random.key(0), tokens, tokens))["params"])
+
+
 def abstract_params(config: ModelConfig):
   """The parameter tree's shapes and dtypes (`jax.ShapeDtypeStruct`s, unboxed): no memory allocated.
 
@@ -330,9 +339,7 @@ def abstract_params(config: ModelConfig):
   """
   kinds = tuple(t for t in (SLIDING, FULL) if t in config.layer_types)
   vision_cfg = None if config.vision is None else dataclasses.replace(config.vision, num_layers=1)
-  model = DiffusionGemma(config.replace(num_layers=len(kinds), layer_types=kinds, vision=vision_cfg))
-  tokens = jnp.zeros((1, 1), jnp.int32)
-  template = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.key(0), tokens, tokens))["params"])
+  template = _template(config.replace(num_layers=len(kinds), layer_types=kinds, vision=vision_cfg))
   params = {k: v for k, v in template.items() if not k.startswith("layer_")}
   params.update({f"layer_{i}": template[f"layer_{kinds.index(t)}"] for i, t in enumerate(config.layer_types)})
   if vision_cfg is not None:

@@ -241,9 +241,10 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
   Slots not yet settled are recomputed (all of them on the first pass and every `denoiser.refresh`
   passes), gathered into the narrowest of `denoiser.widths` that holds every row's (rows that are done
   need none and keep everything; a row with fewer fills its extra slots with copies of its first, whose
-  results are the same); they attend to the other slots through the keys and values those had when last computed, and the
-  settled slots keep their last hidden state. A slot is settled once it has been computed while fixed
-  (its token final), so each accepted token is recomputed once with itself in place before it is reused.
+  results are the same); they attend to the other slots through the keys and values those had when last
+  computed, and the settled slots keep their last hidden state. A slot is settled once it has been
+  computed while fixed (its token final), so each accepted token is recomputed once with itself in place
+  before it is reused.
   """
   reuse, c = state.reuse, state.canvas.shape[1]
   full = (state.step == 0) | ((denoiser.refresh > 0) & (state.step % max(denoiser.refresh, 1) == 0))
@@ -262,16 +263,15 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
           reuse.values)
       keep = lambda new, old: jnp.where(state.done.reshape((-1,) + (1,) * (old.ndim - 1)), old, new)
       hidden = reuse.hidden.at[rows, slots].set(hidden.astype(reuse.hidden.dtype))
-      return reuse.replace(keys=tuple(map(keep, keys, reuse.keys)), values=tuple(map(keep, values, reuse.values)),
-                           hidden=keep(hidden, reuse.hidden))
+      return reuse.replace(keys=tuple(map(keep, keys, reuse.keys)),
+                           values=tuple(map(keep, values, reuse.values)), hidden=keep(hidden, reuse.hidden))
     return run
 
   widths = denoiser.widths
   branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(count), side="left")
   branch = jnp.where(full, len(widths) - 1, jnp.minimum(branch, len(widths) - 1))
   reuse = jax.lax.switch(branch, [at_width(w) for w in widths], reuse)
-  computed = compute | (full & ~state.done[:, None])
-  return reuse.hidden, reuse.replace(settled=reuse.settled | (computed & state.fixed))
+  return reuse.hidden, reuse.replace(settled=reuse.settled | (compute & state.fixed))
 
 
 def should_continue(rules: Rules, state: DenoiseState) -> Array:
