@@ -160,7 +160,8 @@ class Engine:
                                                 pooling_kernel_size=vision.pooling_kernel_size))
         except Exception as e:  # pylint: disable=broad-except  (any undecodable image is the client's)
           raise invalid(f"messages.{i}.content", f"Cannot read the image: {e}") from None
-      messages.append({"role": message.role, "content": IMAGE_PLACEHOLDER * len(message.images) + message.content})
+      media = {"media": IMAGE_PLACEHOLDER * len(message.images)} if message.images else {}
+      messages.append({"role": message.role, "content": message.content, **media})
     try:
       ids = fmt.render_ids(messages, self.tokenizer, thinking=request.thinking, empty_thought=self.empty_thought)
     except ValueError as e:
