@@ -145,6 +145,7 @@ def test_a_row_commits_its_canvas_when_done_or_at_the_step_cap_and_counts_its_ow
   flags = [False] * 4
   row.on_pass(0, 0, canvas, [True, False, False, False], flags, active=True, done=False)
   row.on_pass(0, 1, canvas, flags, flags, active=True, done=True)  # done: committed
+  row.on_pass(0, 2, _ids(tokenizer, "zzzz"), flags, flags, active=False, done=True)  # others' pass: not again
   row.on_pass(1, 0, canvas, flags, flags, active=True, done=False)
   row.on_pass(1, 1, canvas, flags, flags, active=False, done=False)  # not its pass
   assert row.canvases == 1 and row.passes == 3
