@@ -4,15 +4,23 @@ r"""Serve a DiffusionGemma model over an OpenAI-compatible HTTP API, with a web 
   python scripts/serve.py --config=configs/tiny.py --workdir=W [--tokenizer=DIR]   # a training run
 
 Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, and the page at /. Requests that
-arrive together run as one batch (`--batch_sizes` are compiled at start-up; `--admission_ms` is how long
-the scheduler waits for company). More than `--max_queue` waiting requests get 429; a request not done
-within `--request_timeout` seconds gets 504. On SIGTERM (or Ctrl-C) the server stops accepting, lets what
-is queued or running finish for `--shutdown_grace` seconds, answers the rest with 503, and exits 0.
-Logs are JSON lines on stderr, one per request (tokens, passes, batch size, queue and total time) and
-per batch.
+arrive together run as one batch (`--admission_ms` is how long the scheduler waits for company) on a
+compiled program: start-up compiles the grid the flags declare (`--batch_sizes` x prompt buckets 64,
+256, ... up to `--max_prompt_tokens` x reply canvases up to `--max_tokens`; /health says "warming" until
+the programs that cover all of it are ready, the rest compiles in the background), and a batch is padded
+up to the cheapest compiled program (`--max_padding`, docs/serving.md). More than `--max_queue` waiting
+requests get 429; a request not done within `--request_timeout` seconds of its arrival gets 504.
+Constraint builds (`response_format`) run in a separate process within `--constraint_seconds`,
+`--constraint_states` and `--constraint_memory_mib` (past one: a 400 naming it). On SIGTERM (or Ctrl-C)
+the server stops accepting, stops constraint builds, lets what is queued or running finish for
+`--shutdown_grace` seconds, answers the rest with 503, and exits 0. Logs are JSON lines on stderr, one per
+request (tokens, passes, batch size, queue and total time), per batch (its program, whether it compiled)
+and per compiled program.
 """
 
+import dataclasses
 import logging
+import os
 import pathlib
 import signal
 import sys
@@ -44,16 +52,31 @@ _PRESET = flags.DEFINE_string("preset", "default", "Sampler preset: default, cod
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight and compute dtype.")
 _QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "With --hf_checkpoint: int8 attention, MLP "
                                "and expert weights, quantised as they are read (docs/quantization.md).")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Default reply length; 0: the checkpoint's, else 256.")
-_MAX_TOKENS_LIMIT = flags.DEFINE_integer("max_tokens_limit", 4096, "The most tokens a request may ask for.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Default reply length, and the longest reply of the compiled "
+                                   "grid; 0: the checkpoint's, else 256.")
+_MAX_TOKENS_LIMIT = flags.DEFINE_integer("max_tokens_limit", 4096, "The most tokens a request may ask for "
+                                         "(beyond --max_tokens, programs compile on demand).")
+_MAX_PROMPT_TOKENS = flags.DEFINE_integer("max_prompt_tokens", 1024, "The longest prompt served, and the longest "
+                                          "prompt bucket of the compiled grid; 0: what the context leaves.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Compiled batch sizes (the largest is the "
                                  "most requests per batch).")
+_MAX_PADDING = flags.DEFINE_float("max_padding", 4.0, "A batch joins requests, and runs on a compiled program, "
+                                  "up to this many times its own positions; beyond, its own program compiles "
+                                  "in the background.")
+_SEEDED_ALONE = flags.DEFINE_bool("seeded_alone", False, "Run each request that has a seed alone on its own "
+                                  "program, so that its answer does not depend on the load (docs/serving.md).")
+_CONSTRAINT_SECONDS = flags.DEFINE_float("constraint_seconds", 10.0, "Time limit of one constraint build.")
+_CONSTRAINT_STATES = flags.DEFINE_integer("constraint_states", 10_000, "Most automaton states of a constraint.")
+_CONSTRAINT_MEMORY = flags.DEFINE_float("constraint_memory_mib", 1024, "Memory limit of one constraint build's "
+                                        "process (resident MiB).")
+_MAX_IMAGE_PIXELS = flags.DEFINE_integer("max_image_pixels", 4096 * 4096, "Most pixels of one image (checked "
+                                         "from its header, before decoding).")
 _ADMISSION_MS = flags.DEFINE_float("admission_ms", 10.0, "How long a free device waits for requests to batch.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Waiting requests beyond this get 429.")
 _TIMEOUT = flags.DEFINE_float("request_timeout", 600.0, "Seconds a request may take in all (queue included).")
 _GRACE = flags.DEFINE_float("shutdown_grace", 30.0, "Seconds in-flight requests get to finish on SIGTERM.")
-_WARM_UP = flags.DEFINE_integer("warm_up", 1, "Before serving, compile every batch size for this many of the "
-                                 "smallest prompt buckets (64, 256, 1024, ... tokens); 0: compile on demand.")
+_WARM_UP = flags.DEFINE_integer("warm_up", 1, "1: compile the declared grid at start-up (/health says warming "
+                                 "until the programs covering it are ready); 0: compile on demand.")
 
 
 def _model():
@@ -79,15 +102,16 @@ def _model():
 
 
 class _Server(uvicorn.Server):
-  """uvicorn, telling the scheduler to drain when a shutdown signal arrives."""
+  """uvicorn, telling the app to drain when a shutdown signal arrives."""
 
-  def __init__(self, config, scheduler, grace: float):
+  def __init__(self, config, application, grace: float):
     super().__init__(config)
-    self.scheduler, self.grace = scheduler, grace
+    self.application, self.grace = application, grace
 
   def handle_exit(self, sig, frame):
-    if not self.should_exit and getattr(self.scheduler, "loop", None) is not None:
-      self.scheduler.loop.call_soon_threadsafe(self.scheduler.begin_shutdown, self.grace)
+    loop = getattr(self.application.state.scheduler, "loop", None)
+    if not self.should_exit and loop is not None:
+      loop.call_soon_threadsafe(self.application.state.begin_shutdown, self.grace)
     super().handle_exit(sig, frame)
 
 
@@ -100,20 +124,37 @@ def main(argv):
   log.addHandler(handler)
   log.setLevel(logging.INFO)
   log.propagate = False  # plain JSON lines, not absl's prefixed format
-  # Only partly useful here: jax does not store programs with host callbacks, and every sampler program of
-  # the server streams its passes (`on_pass`), so warm-up compiles again in each process.
+  # Only partly useful here: jax 0.10 does not store programs with host callbacks (compiler._cache_write),
+  # and every sampler program of the server streams its passes (`on_pass`), so the grid compiles again in
+  # each process (docs/serving.md, "Restarts").
   parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   sampler, variables, tokenizer, max_new, empty_thought, name = _model()
   engine = serving.Engine(sampler, variables, tokenizer, model_name=_MODEL_NAME.value or name,
                           max_tokens=_MAX_TOKENS.value or max_new or 256, max_tokens_limit=_MAX_TOKENS_LIMIT.value,
-                          empty_thought=empty_thought, batch_sizes=[int(b) for b in _BATCH_SIZES.value])
+                          max_prompt_tokens=_MAX_PROMPT_TOKENS.value or None, empty_thought=empty_thought,
+                          batch_sizes=[int(b) for b in _BATCH_SIZES.value], max_image_pixels=_MAX_IMAGE_PIXELS.value)
+  budget = dataclasses.replace(serving.app.DEFAULT_CONSTRAINT_BUDGET, seconds=_CONSTRAINT_SECONDS.value,
+                               max_states=_CONSTRAINT_STATES.value, max_dfa_states=_CONSTRAINT_STATES.value)
   application = serving.create_app(engine, admission_window=_ADMISSION_MS.value / 1000, max_queue=_MAX_QUEUE.value,
-                                   request_timeout=_TIMEOUT.value, warm_up=_WARM_UP.value)
+                                   request_timeout=_TIMEOUT.value, warm_up=_WARM_UP.value,
+                                   max_padding=_MAX_PADDING.value, seeded_alone=_SEEDED_ALONE.value,
+                                   constraint_budget=budget,
+                                   constraint_memory_mib=_CONSTRAINT_MEMORY.value)
   config = uvicorn.Config(application, host=_HOST.value, port=_PORT.value, access_log=False, log_level="warning",
                           timeout_graceful_shutdown=int(_GRACE.value) + 5)
   # uvicorn re-raises the signal it shut down on once it is done: end with status 0 then.
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-  _Server(config, application.state.scheduler, _GRACE.value).run()
+  signal.signal(signal.SIGTERM, lambda *_: _exit())
+  _Server(config, application, _GRACE.value).run()
+  _exit()
+
+
+def _exit() -> None:
+  """Exits 0 at once: a program may still be compiling on a background thread, and the interpreter's own
+  exit would wait for it or abort inside XLA."""
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

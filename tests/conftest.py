@@ -37,11 +37,12 @@ def chat_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def server(chat_checkpoint, tmp_path_factory):
   """One server process (scripts/serve.py) over `chat_checkpoint` for every test that talks to it: batches
-  of up to 8 (one compiled size, so one compilation at start-up), 50 ms admission window, max_tokens up to
-  10^6 (so that the model's context, not the server's limit, refuses the largest)."""
+  of up to 8 (one compiled size), prompts up to 64 tokens (one bucket), so its grid is two programs (one
+  and two canvases; the second compiles in the background once it is ready), 50 ms admission window,
+  max_tokens up to 10^6 (so that the model's context, not the server's limit, refuses the largest)."""
   import serving_helpers  # pylint: disable=import-outside-toplevel
   process = serving_helpers.ServerProcess(chat_checkpoint, tmp_path_factory.mktemp("server") / "server.log",
-                                          "--batch_sizes=8", "--admission_ms=50",
+                                          "--batch_sizes=8", "--admission_ms=50", "--max_prompt_tokens=64",
                                           "--max_tokens_limit=1000000")
   try:
     process.wait()

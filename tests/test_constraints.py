@@ -419,3 +419,37 @@ def test_bad_constraints_raise_clear_errors(sp_vocab):
   automaton = cons.from_json_schema(SCHEMA, sp_vocab, 330, **kw)
   with pytest.raises(ValueError, match="raise max_new_tokens"):
     automaton.check_length(4)
+
+
+def _chained_refs(n: int) -> dict:
+  """n $defs, each an array of two refs to the one before: 2^n compiled subschemas (a 1.3 KB schema at
+  n=12 built for a minute before budgets)."""
+  defs = {"d0": {"type": "integer"}}
+  for i in range(1, n + 1):
+    defs[f"d{i}"] = {"type": "array", "prefixItems": [{"$ref": f"#/$defs/d{i - 1}"}] * 2, "items": False}
+  return {"$defs": defs, "$ref": f"#/$defs/d{n}"}
+
+
+@pytest.mark.parametrize("build, budget, limit", [
+    (lambda b: cons.from_regex("(a|b)*a(a|b){12}", {2: "a", 3: "b"}, 4, stop_tokens=[EOS], budget=b),
+     cons.Budget(max_dfa_states=2000), "max_dfa_states"),  # 2^13 DFA states, the 2^18 of the issue in small
+    (lambda b: cons.from_json_schema(_chained_refs(8), {2: "1", 3: "["}, 4, stop_tokens=[EOS], budget=b),
+     cons.Budget(max_schema_nodes=100), "max_schema_nodes"),
+    (lambda b: cons.from_regex("|".join(f"x{i}" for i in range(200)), {2: "x"}, 4, stop_tokens=[EOS], budget=b),
+     cons.Budget(max_regex_chars=500), "max_regex_chars"),
+    (lambda b: cons.from_regex("(ab)+", {2: "a", 3: "b"}, 4, stop_tokens=[EOS], budget=b),
+     cons.Budget(max_states=2), "max_states"),
+    (lambda b: cons.from_json_schema(_chained_refs(3), {2: "1"}, 4, stop_tokens=[EOS], budget=b),
+     cons.Budget(seconds=0.0), "seconds"),
+])
+def test_builds_past_their_budget_are_refused_naming_the_limit(build, budget, limit):
+  with pytest.raises(cons.BudgetExceeded, match=limit) as refused:
+    build(budget)
+  assert refused.value.limit == limit and refused.value.value == getattr(budget, limit)
+  generous = cons.Budget(**{limit: 10**9 if limit != "seconds" else 600.0})
+  try:
+    build(generous)  # within the budget it builds (or fails for its own reasons, never the budget's)
+  except cons.BudgetExceeded:
+    pytest.fail(f"{limit}: refused within a generous budget")
+  except ValueError:
+    pass

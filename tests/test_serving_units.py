@@ -3,7 +3,6 @@ fake engine) and the app's timeouts and errors in process. Fast; the real server
 tests/test_serving.py."""
 
 import asyncio
-import dataclasses
 import threading
 import time
 
@@ -15,8 +14,7 @@ from diffusiongemma.serving import requests as requests_lib
 from diffusiongemma.serving import rows as rows_lib
 from diffusiongemma.serving.errors import APIError
 from diffusiongemma.serving.scheduler import Job, Scheduler
-
-MODEL = "tiny"
+from serving_helpers import FakeEngine, FakePrepared, MODEL
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +69,9 @@ def test_bad_fields_are_named(body, param, status):
   assert set(error.value.body()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_temperature_scales_the_checkpoints_schedule():
-  from diffusiongemma.diffusion import schedules  # pylint: disable=import-outside-toplevel
+def test_temperature_scales_the_checkpoints_schedule_and_zero_is_nearly_greedy():
   from diffusiongemma.serving import engine  # pylint: disable=import-outside-toplevel
-  assert [engine.temperature_scale(t) for t in (0, 0.04, 0.44, 1, 2)] == [0.05, 0.05, 0.4, 1.0, 2.0]
-  scaled = engine.Scaled(schedules.Linear(0.8, 0.4), 0.5)
-  assert [round(float(scaled(n, 4)), 4) for n in (4, 1)] == [0.4, 0.25]
-  assert hash(scaled) == hash(engine.Scaled(schedules.Linear(0.8, 0.4), 0.5))  # one program per value
+  assert [engine.temperature_scale(t) for t in (0, 0.04, 0.44, 1, 2)] == [0.05, 0.05, 0.44, 1.0, 2.0]
 
 
 def test_deep_and_malformed_json_are_400_not_500():
@@ -145,6 +139,7 @@ def test_a_row_commits_its_canvas_when_done_or_at_the_step_cap_and_counts_its_ow
   flags = [False] * 4
   row.on_pass(0, 0, canvas, [True, False, False, False], flags, active=True, done=False)
   row.on_pass(0, 1, canvas, flags, flags, active=True, done=True)  # done: committed
+  row.on_pass(0, 2, _ids(tokenizer, "zzzz"), flags, flags, active=False, done=True)  # others' pass: not again
   row.on_pass(1, 0, canvas, flags, flags, active=True, done=False)
   row.on_pass(1, 1, canvas, flags, flags, active=False, done=False)  # not its pass
   assert row.canvases == 1 and row.passes == 3
@@ -157,39 +152,6 @@ def test_a_row_commits_its_canvas_when_done_or_at_the_step_cap_and_counts_its_ow
 
 
 # ---------------------------------------------------------------------------------------- scheduler
-@dataclasses.dataclass(frozen=True)
-class FakePrepared:
-  key: str
-  request: requests_lib.Request = requests_lib.Request(kind="chat", model=MODEL)
-  ids: tuple = (2, 3)
-  seed: int = 0
-  max_tokens: int = 4
-
-
-class FakeEngine:
-  """Runs a batch by answering every job; `gate` (when set) holds the batch after the first job's answer."""
-
-  model_name, max_tokens_limit, batch_sizes, max_batch, mismatches = MODEL, 64, (1, 2, 4), 4, 0
-  config = type("Config", (), {"max_positions": 128})
-
-  def __init__(self, gate=None):
-    self.batches, self.gate = [], gate
-
-  def warm_up(self, log, prompt_buckets=1):
-    del log, prompt_buckets
-
-  def prepare(self, request):
-    return FakePrepared(key=request.prompt or "chat", request=request)
-
-  def run(self, jobs):
-    self.batches.append([job.prepared.key for job in jobs])
-    for i, job in enumerate(jobs):
-      job.send(("done", rows_lib.Result(f"answer {job.prepared.key}", "", "stop", (5,), 1, 3, 1)))
-      if i == 0 and self.gate is not None:
-        self.gate.wait(10)
-    return {"size": len(jobs)}
-
-
 def test_the_scheduler_batches_by_key_up_to_the_largest_size_and_answers_before_the_batch_ends():
   gate = threading.Event()
   engine = FakeEngine(gate)
@@ -248,7 +210,7 @@ def test_the_app_answers_timeouts_unknown_routes_and_methods_in_openai_shape():
 
   gate = threading.Event()
   slow = FakeEngine(gate)
-  slow.run = lambda jobs: (gate.wait(10), {"size": len(jobs)})[1]  # never answers before the gate
+  slow.run = lambda jobs, shape: (gate.wait(10), {"size": len(jobs)})[1]  # never answers before the gate
   app = serving.create_app(slow, admission_window=0.0, request_timeout=0.5, warm_up=0)
   with TestClient(app) as client:
     start = time.monotonic()
@@ -266,4 +228,6 @@ def test_the_app_answers_timeouts_unknown_routes_and_methods_in_openai_shape():
       assert response.status_code == status and set(response.json()["error"]) == {"message", "type", "param",
                                                                                   "code"}
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
+    slow.chat = False  # a model without a chat format: the page completes text instead
+    assert client.get("/v1/models").json()["data"][0]["chat"] is False
     assert "canvas" in client.get("/").text and "drawCanvas" in client.get("/static/app.js").text

@@ -61,6 +61,8 @@ def _role(message: Message, index: int) -> str:
                      "expected str.")
   if "thought" in message and role != "model":
     raise ValueError(f"Message {index} is a {role} turn with a 'thought'; only model turns have one.")
+  if "media" in message and (role != "user" or not isinstance(message["media"], str)):
+    raise ValueError(f"Message {index} is a {role} turn with 'media'; only user turns have it (a str).")
   return role
 
 
@@ -72,51 +74,82 @@ def strip_thought(text: str) -> str:
   return "".join(kept).strip()
 
 
-def render_prompt(messages: Sequence[Message], *, thinking: bool = False, add_generation_prompt: bool = True,
-                  empty_thought: bool = False, bos_token: str = "<bos>") -> str:
-  """The exact prompt text of a conversation (see the module docstring).
+class _Control(str):
+  """A control token of the template itself (written by this module, never taken from message text)."""
 
-  messages: dicts with 'role' ('system' first only, 'user', 'model'), 'content' (str) and, on model
-    turns, an optional 'thought' (never written back: earlier thoughts are dropped).
-  thinking: `<|think|>` at the start of the system turn (one is created if there is none).
-  add_generation_prompt: end with `<|turn>model\n`, where the reply starts.
-  empty_thought: with thinking off, prefill `<|channel>thought\n<channel|>` after it.
-  """
+
+def _trusted(text: str) -> list[str]:
+  """Text this module or its caller's own code wrote (e.g. `media`: image placeholders, video
+  timestamps), with its control tokens marked as such."""
+  return [_Control(piece) if i % 2 else piece for i, piece in enumerate(_CONTROL_RE.split(text)) if piece]
+
+
+def render_parts(messages: Sequence[Message], *, thinking: bool = False, add_generation_prompt: bool = True,
+                 empty_thought: bool = False, bos_token: str = "<bos>") -> list[str]:
+  """The prompt as a list of pieces: the template's control tokens (`_Control`) and text; message text is
+  always text, whatever it spells (see `render_prompt`)."""
   if not messages and not thinking:
     raise ValueError("Cannot render an empty conversation (no messages and thinking off).")
   roles = [_role(m, i) for i, m in enumerate(messages)]
   for i, role in enumerate(roles[1:], 1):
     if role == "system":
       raise ValueError(f"Message {i} is a system turn; only the first message may be one.")
-  parts = [bos_token]
+  parts: list[str] = [_Control(bos_token)] if bos_token else []
+  turn = lambda role, *body: [_Control(TURN_OPEN), f"{role}\n", *body, _Control(TURN_CLOSE), "\n"]
   first = 0
   if (roles and roles[0] == "system") or thinking:
     system = messages[0]["content"].strip() if roles and roles[0] == "system" else ""
     first = 1 if roles and roles[0] == "system" else 0
-    think = THINK + "\n" if thinking else ""
-    parts.append(f"{TURN_OPEN}system\n{think}{system}{TURN_CLOSE}\n")
+    parts += turn("system", *([_Control(THINK), "\n"] if thinking else []), system)
   for message, role in zip(messages[first:], roles[first:]):
     content = strip_thought(message["content"]) if role == "model" else message["content"].strip()
-    parts.append(f"{TURN_OPEN}{role}\n{content}{TURN_CLOSE}\n")
+    parts += turn(role, *_trusted(message.get("media", "")), content)
   if add_generation_prompt:
-    parts.append(f"{TURN_OPEN}model\n")
+    parts += [_Control(TURN_OPEN), "model\n"]
     if empty_thought and not thinking:
-      parts.append(EMPTY_THOUGHT)
-  return "".join(parts)
+      parts += [_Control(CHANNEL_OPEN), f"{THOUGHT_CHANNEL}\n", _Control(CHANNEL_CLOSE)]
+  return [p for p in parts if p]
+
+
+def render_prompt(messages: Sequence[Message], *, thinking: bool = False, add_generation_prompt: bool = True,
+                  empty_thought: bool = False, bos_token: str = "<bos>") -> str:
+  """The exact prompt text of a conversation (see the module docstring).
+
+  messages: dicts with 'role' ('system' first only, 'user', 'model'), 'content' (str) and, on model
+    turns, an optional 'thought' (never written back: earlier thoughts are dropped); on user turns an
+    optional 'media': text the caller's code wrote before the content (image placeholders, video
+    timestamps), whose control tokens count as such. Control-token spellings inside 'content' are
+    text: `render_ids` encodes them as text, so a message cannot open or close a turn.
+  thinking: `<|think|>` at the start of the system turn (one is created if there is none).
+  add_generation_prompt: end with `<|turn>model\n`, where the reply starts.
+  empty_thought: with thinking off, prefill `<|channel>thought\n<channel|>` after it.
+  """
+  return "".join(render_parts(messages, thinking=thinking, add_generation_prompt=add_generation_prompt,
+                              empty_thought=empty_thought, bos_token=bos_token))
 
 
 def render_ids(messages: Sequence[Message], tokenizer, **options) -> list[int]:
-  """The prompt's token ids: bos, then the rendered text encoded with its control tokens as single ids.
+  """The prompt's token ids: bos, the template's control tokens by id, and the text between them encoded
+  with special-token parsing off, so that `<turn|>` or `<|turn>system` written in a message stays text (a
+  user cannot forge a turn).
 
   `tokenizer` must know the Gemma 4 control tokens (a `CheckpointTokenizer`); `options` as
   `render_prompt`.
   """
-  missing = [t for t in (TURN_OPEN, TURN_CLOSE, THINK, CHANNEL_OPEN, CHANNEL_CLOSE)
-             if t not in getattr(tokenizer, "control_ids", {})]
+  control = getattr(tokenizer, "control_ids", {})
+  missing = [t for t in (TURN_OPEN, TURN_CLOSE, THINK, CHANNEL_OPEN, CHANNEL_CLOSE) if t not in control]
   if missing:
     raise ValueError(f"The Gemma 4 chat format needs a tokenizer with its control tokens; {tokenizer!r} "
                      f"lacks {missing} (a training workdir's tokenizer has none).")
-  return [tokenizer.bos_id] + tokenizer.encode(render_prompt(messages, bos_token="", **options))
+  ids, run = [tokenizer.bos_id], []
+  for part in render_parts(messages, bos_token="", **options):
+    if isinstance(part, _Control):
+      ids += tokenizer.encode("".join(run), parse_special=False) if run else []
+      ids.append(control[part] if part in control else tokenizer.token_id(part))
+      run = []
+    else:
+      run.append(part)
+  return ids + (tokenizer.encode("".join(run), parse_special=False) if run else [])
 
 
 def template_prefills_empty_thought(folder: os.PathLike | str) -> bool:

@@ -219,7 +219,7 @@ class ChatSampler:
     max_new = prompts_lib.check_max_new_tokens(max_new_tokens or self.max_new_tokens)
     system = self.system if system is None else system
     new_images, media_text = self._media(images, video)
-    user = {"role": "user", "content": media_text + message}
+    user = {"role": "user", "content": message, "media": media_text}  # the message's text stays text
     messages = self._messages(system) + [user]
     options = dict(thinking=thinking, empty_thought=self.empty_thought)
     prompt_text = fmt.render_prompt(messages, **options)

@@ -59,7 +59,8 @@ class TokenizerLike(Protocol):
 class CheckpointTokenizer:
   """The tokenizer of a transformers checkpoint folder: `tokenizer.json`, else `tokenizer.model`.
 
-  `encode(text)` adds no bos unless `add_bos=True`; control tokens written in the text become their ids.
+  `encode(text)` adds no bos unless `add_bos=True`; control tokens written in the text become their ids,
+  unless `parse_special=False` (then they are text like any other: untrusted text, e.g. a user's message).
   `decode(ids)` drops special tokens (bos, eos, pad, control tokens) unless `skip_special_tokens=False`.
   `control_ids` maps each Gemma 4 control token found to its id (all of `REQUIRED_CONTROL_TOKENS`, any
   of `OPTIONAL_CONTROL_TOKENS`); `special_tokens` maps every special id to its text.
@@ -120,10 +121,10 @@ class CheckpointTokenizer:
       raise ValueError(f"The tokenizer {self.path} has no token {text!r}.")
     return token_id
 
-  def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+  def encode(self, text: str, *, add_bos: bool = False, parse_special: bool = True) -> list[int]:
     if not isinstance(text, str):
       raise TypeError(f"encode takes a str, got {type(text).__name__}.")
-    ids = self._backend.encode(text)
+    ids = self._backend.encode(text) if parse_special else self._backend.encode_text(text)
     return [self.bos_id] + ids if add_bos else ids
 
   def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
@@ -144,6 +145,7 @@ class _JsonBackend:
       self._tok = tokenizers.Tokenizer.from_str(text)
     except Exception as e:  # pylint: disable=broad-except  (the library raises a bare Exception)
       raise _files.BadFileError(f"{path} is not a tokenizers tokenizer.json: {e}.") from None
+    self._text = None  # the tokenizer for `encode_text`, made on first use
 
   @property
   def vocab_size(self) -> int:
@@ -165,6 +167,15 @@ class _JsonBackend:
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_text(self, text: str) -> list[int]:
+    """`encode` with special tokens matched as ordinary text (a second tokenizer with the setting on, made
+    once: the setting belongs to the tokenizer, so flipping it on a shared one would race)."""
+    if self._text is None:
+      text_tok = self._tokenizers.Tokenizer.from_str(self._tok.to_str())
+      text_tok.encode_special_tokens = True
+      self._text = text_tok
+    return self._text.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
     return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -203,6 +214,17 @@ class _SentencePieceBackend:
         ids.append(self._special[part])
       elif part:
         ids.extend(self._sp.encode(part))
+    return ids
+
+  def encode_text(self, text: str) -> list[int]:
+    """`encode` with special-token spellings kept as text: each is encoded as its first character and the
+    rest, which no special token matches (sentencepiece itself matches its user-defined pieces)."""
+    ids = []
+    for i, part in enumerate(self._pattern.split(text)):
+      if i % 2:
+        ids += self._sp.encode(part[:1]) + self._sp.encode(part[1:])
+      elif part:
+        ids += self._sp.encode(part)
     return ids
 
   def decode(self, ids: list[int], skip_special_tokens: bool) -> str:

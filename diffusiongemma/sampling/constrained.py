@@ -95,7 +95,7 @@ class Constraint:
   def regex(cls, pattern: str, tokenizer, sampler, *, unicode: bool = False) -> Constraint:
     """Outputs that match `pattern` (Python `re` syntax) in full, then a stop token and pad, over
     `tokenizer`'s tokens. \\d \\w \\s are ASCII unless `unicode=True` (`constraints.regexp`)."""
-    return cls(cons.from_regex(pattern, token_bytes(tokenizer), unicode=unicode, **_automaton_args(sampler)),
+    return cls(cons.from_regex(pattern, token_bytes(tokenizer), unicode=unicode, **automaton_args(sampler)),
                f"regex {pattern[:60]!r}")
 
   @classmethod
@@ -104,7 +104,7 @@ class Constraint:
     """Outputs that are JSON texts valid under `schema` (a dict or JSON text). Every keyword is enforced
     or refused with a ValueError naming it and its path (`constraints.json_schema` lists them)."""
     automaton = cons.from_json_schema(schema, token_bytes(tokenizer), whitespace_pattern=whitespace_pattern,
-                                      unicode=unicode, **_automaton_args(sampler))
+                                      unicode=unicode, **automaton_args(sampler))
     return cls(automaton, "JSON schema")
 
   def check(self, sampler, max_new_tokens: int) -> None:
@@ -135,7 +135,9 @@ def one_program(constraints: Sequence[Constraint]) -> list[Constraint]:
   return [dataclasses.replace(c, min_sizes=sizes) for c in constraints]
 
 
-def _automaton_args(sampler) -> dict:
+def automaton_args(sampler) -> dict:
+  """The `constraints.from_regex` / `from_json_schema` arguments that make an automaton fit `sampler`: its
+  vocabulary size, stop tokens, pad and never-sampled token."""
   never = sampler.noise.never_token
   return dict(vocab_size=sampler.model.config.vocab_size, stop_tokens=list(sampler.stop_tokens),
               pad_id=sampler.model.config.pad_id, disallowed_tokens=[] if never is None else [never])

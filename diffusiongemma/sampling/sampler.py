@@ -274,7 +274,8 @@ class Sampler:
   def generate(self, params, prompt_tokens, rng, max_new_tokens: int = 256, prompt_lengths=None,
                initial_canvas=None, *, cache: KVCache | None = None, return_cache: bool = False,
                return_trace: bool = False, images=None, given=None, constraint=None,
-               on_pass: Callable[[PassEvent], None] | None = None) -> SampleOutput:
+               on_pass: Callable[[PassEvent], None] | None = None, temperature_scale=None,
+               compile_only: bool = False) -> SampleOutput | None:
     """Generates ceil(max_new_tokens / C) canvases after each prompt.
 
     prompt_tokens [B, L] (right-padded when `prompt_lengths` [B] is given, or a list of token lists);
@@ -299,6 +300,10 @@ class Sampler:
     argmax, canvas, accepted and fixed positions, per row), from inside the running program, so it is
     live; it cannot change the result, and it runs before `generate` returns. Any callable works with
     one compiled program (the program streams to whichever listener its call registered).
+    temperature_scale [B]: multiplies each row's temperature schedule; an input of the program, so one
+    program serves every value (None: the schedule as it is, the program without the input).
+    compile_only: compile the program this call would run (for these shapes and static settings), run
+    nothing and return None; a later call with the same shapes finds it compiled.
     """
     num_canvases = math.ceil(prompts_lib.check_max_new_tokens(max_new_tokens) / self.canvas_length)
     cached = 0 if cache is None else int(jnp.max(cache.length))
@@ -327,7 +332,11 @@ class Sampler:
         _program, self, prompts_lib.variables(params), prompt, lengths, canvas, num_given,
         prompts_lib.row_keys(rng, b), cache, images, None if held is None else jnp.asarray(held), tables,
         num_canvases=num_canvases, return_trace=return_trace, return_cache=return_cache,
-        constraint=constraint, stream=on_pass is not None)
+        constraint=constraint, stream=on_pass is not None,
+        temperature_scale=None if temperature_scale is None else jnp.asarray(temperature_scale, jnp.float32))
+    if compile_only:
+      _program.lower(*run.args, jnp.zeros((), jnp.int32), **run.keywords).compile()
+      return None
     if on_pass is None:
       return run(jnp.zeros((), jnp.int32))
     with _LISTENERS.registered(on_pass) as key:
@@ -385,9 +394,9 @@ class Sampler:
                                              "constraint", "stream"))
 def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, keys, cache, images, given,
              tables, listener, *, num_canvases: int, return_trace: bool, return_cache: bool, constraint,
-             stream: bool) -> SampleOutput:
+             stream: bool, temperature_scale=None) -> SampleOutput:
   """given [B, K * C] bool or None; tables: the constraint's `AutomatonTables` or None (`constraint` None);
-  listener: the id of the host listener every pass is sent to (`stream`)."""
+  listener: the id of the host listener every pass is sent to (`stream`); temperature_scale [B] or None."""
   rules, mc = sampler.rules, sampler.model.config
   b, c = prompt.shape[0], mc.canvas_length
   fuse, reuse = sampler.config.fuse_commit, sampler.config.reuse != "none"
@@ -429,6 +438,8 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
       first_hidden, cache, first_reuse = jax.lax.cond(k > 0, fused, first_pass, cache)
       state = state.replace(reuse=first_reuse)
     denoiser = sampler.denoiser(variables, cache)
+    if temperature_scale is not None:
+      denoiser = dataclasses.replace(denoiser, temperature_scale=temperature_scale)
     if constraint is not None:
       denoiser = dataclasses.replace(denoiser, constraint=constrained.CanvasConstraint(
           tables=tables, start=loop.automaton_state, end_ok=ends[k]))

@@ -52,7 +52,8 @@ class Denoiser:
   that are done are not used; the model may skip work on them), and the vocabulary head with its table
   (the embedding [V, D]) that turns them into the step's statistics (`Sampler.denoiser` builds it).
   `constraint`, if given, takes over the vocabulary end of the step (`sample_step`, same signature as
-  `plain_sample_step`)."""
+  `plain_sample_step`). `temperature_scale` [B], if given, multiplies each row's temperature (a traced
+  input, so one program serves every temperature)."""
 
   hidden: Callable[[Array, Array, Array, Array], Array]
   head: vocab.VocabHead
@@ -65,6 +66,7 @@ class Denoiser:
   subset: Callable | None = None
   widths: tuple[int, ...] = ()
   refresh: int = 0
+  temperature_scale: Array | None = None  # [B] float32
 
 
 @flax.struct.dataclass
@@ -196,6 +198,8 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   b, c = state.canvas.shape
   remaining = rules.max_denoising_steps - state.step
   temp = temperature(rules, remaining)
+  if denoiser.temperature_scale is not None:
+    temp = temp * denoiser.temperature_scale  # [B]: per row
   step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, state.step)
   sample_keys, noise_keys = jnp.moveaxis(jax.vmap(jax.random.split)(step_keys), 1, 0)
   uniforms = vocab.uniforms(sample_keys, c)  # [B, C]

@@ -237,7 +237,8 @@ class VocabHead:
       removed |= ids == self.never_token
     if table.shape[0] != self.vocab_size or self.never_token is not None:  # chunks, or the never token
       logits = jnp.where(removed, NEVER_LOGIT, logits)
-    scaled = logits / temperature
+    temperature = jnp.asarray(temperature)  # a scalar, or one per leading axis of hidden (e.g. [B])
+    scaled = logits / temperature.reshape(temperature.shape + (1,) * (logits.ndim - temperature.ndim))
     return scaled if restrict is None else restrict(scaled, first)
 
   def _fold(self, table: Array, hidden: Array, temperature: Array, restrict: Restrict | None,
@@ -249,6 +250,9 @@ class VocabHead:
     inside the loop, so no copy of the table is made."""
     positions = hidden.shape[0]
     chunked = self._chunked_table(table, self.chunk_for(positions))
+    if jnp.ndim(temperature):  # per row [B] (leading axes of `lead`): per flattened position [P]
+      temperature = jnp.broadcast_to(temperature.reshape(temperature.shape + (1,) * (len(lead) - temperature.ndim)),
+                                     lead).reshape(-1)
     wrapped = restrict
     if restrict is not None:
       wrapped = lambda s, first: restrict(s.reshape(lead + s.shape[-1:]), first).reshape(s.shape)
@@ -272,7 +276,7 @@ class VocabHead:
                restrict: Restrict | None = None) -> HeadOutput:
     """The statistics, the argmax part of the draw and the soft embedding of softmax(head(hidden) / T).
 
-    table: the embedding [V, D]; hidden: final hidden states [B, C, D]; temperature: a scalar; uniforms
+    table: the embedding [V, D]; hidden: final hidden states [B, C, D]; temperature: a scalar or [B]; uniforms
     [B, C] in [0, 1). `stats.sample` is -1 where `draw` must finish the draw.
     """
     lead = hidden.shape[:-1]

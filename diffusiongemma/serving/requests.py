@@ -1,8 +1,10 @@
 """OpenAI request bodies (chat completions and completions) checked field by field into a `Request`.
 
 Everything a client can get wrong is refused here with a 400 that names the field (`errors.APIError`),
-before any tokenizing or compiling: malformed or too deeply nested JSON, unknown or unsupported
-parameters (`n` > 1, `logprobs`, `top_p` != 1, penalties, tools), out-of-range values, bad messages.
+before any tokenizing, decoding or compiling: malformed or too deeply nested JSON, text that is not
+Unicode (a lone surrogate such as "\\ud800" cannot be encoded), unknown or unsupported parameters (`n` > 1,
+`logprobs`, `top_p` != 1, penalties, tools), out-of-range values, bad messages, and inputs past the
+server's `Limits` (messages, images, prompt bytes), which bound what tokenizing and decoding can cost.
 
 Extensions beyond the OpenAI API (documented in the README):
 - `response_format: {"type": "regex", "regex": "..."}`: the output matches the regex in full;
@@ -34,6 +36,17 @@ _COMMON = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p
 CHAT_FIELDS = _COMMON | {"messages", "reasoning_effort", "chat_template_kwargs", "top_logprobs", "tools",
                          "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What one request may hold, checked before anything is tokenized or decoded. `prompt_bytes`: UTF-8
+  bytes of all message texts (or the prompt): the engine sets it so that a longer text has more tokens than
+  the longest prompt served (`Engine.limits`); `images`: images per request."""
+
+  messages: int = 1024
+  images: int = 8
+  prompt_bytes: int = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,20 +100,37 @@ def parse_json(raw: bytes) -> dict:
     raise invalid(None, f"The request body is not valid JSON: {e}.", "invalid_json") from None
   if not isinstance(body, dict):
     raise invalid(None, f"The request body must be a JSON object, got {type(body).__name__}.", "invalid_json")
-  if _depth(body) > MAX_DEPTH:
-    raise invalid(None, f"The request body is nested too deeply (more than {MAX_DEPTH} levels).", "invalid_json")
+  _check_tree(body)
   return body
 
 
-def _depth(value) -> int:
-  """Nesting depth of a JSON value, without recursion."""
-  deepest, stack = 0, [(value, 1)]
+def _check_tree(value) -> None:
+  """Refuses a JSON value nested deeper than `MAX_DEPTH` or holding a string (key or value) that is not
+  valid Unicode (JSON's "\\ud800" escapes parse to lone surrogates, which no text encoding takes), naming
+  where; without recursion."""
+  stack = [(value, ())]
   while stack:
-    item, depth = stack.pop()
-    deepest = max(deepest, depth)
-    children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-    stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-  return deepest
+    item, path = stack.pop()
+    if len(path) >= MAX_DEPTH:
+      raise invalid(None, f"The request body is nested too deeply (more than {MAX_DEPTH} levels).", "invalid_json")
+    pairs = item.items() if isinstance(item, dict) else enumerate(item)
+    for key, child in pairs:
+      where = path + (key,)
+      for text in (key, child):
+        if isinstance(text, str) and not _is_unicode(text):
+          param = ".".join(str(k).encode("utf-8", "backslashreplace").decode() for k in where)
+          raise invalid(param, f"'{param}' holds text that is not valid Unicode (a lone surrogate such as "
+                        "\\ud800); send UTF-8 text.", "invalid_unicode")
+      if isinstance(child, (dict, list)):
+        stack.append((child, where))
+
+
+def _is_unicode(text: str) -> bool:
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
 
 
 def _type_name(value) -> str:
@@ -247,12 +277,20 @@ def _content(content, param: str) -> tuple[str, tuple[bytes, ...]]:
   return "".join(texts), tuple(images)
 
 
-def _messages(body) -> tuple[Message, ...]:
+def _messages(body, limits: Limits) -> tuple[Message, ...]:
   messages = body.get("messages")
   if messages is None:
     raise invalid("messages", "'messages' is required.", "missing_required_parameter")
   if not isinstance(messages, list) or not messages:
     raise invalid("messages", "'messages' must be a non-empty array.")
+  if len(messages) > limits.messages:
+    raise invalid("messages", f"'messages' holds {len(messages)} messages; this server takes at most "
+                  f"{limits.messages}.", "too_many_messages")
+  images = sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict) and part.get("type") == "image_url")
+  if images > limits.images:
+    raise invalid("messages", f"The messages hold {images} images; this server takes at most {limits.images} "
+                  "per request.", "too_many_images")
   out = []
   for i, message in enumerate(messages):
     where = f"messages.{i}"
@@ -297,8 +335,19 @@ def _prompt(body) -> str:
   return prompt
 
 
-def parse(body: Mapping, kind: str, models: tuple[str, ...], max_tokens_limit: int) -> Request:
-  """The checked `Request` of a chat (`kind="chat"`) or completion body, for a server of `models`."""
+def _check_prompt_bytes(request: Request, limits: Limits) -> None:
+  texts = [m.content for m in request.messages] if request.kind == "chat" else [request.prompt]
+  size = sum(len(t.encode("utf-8")) for t in texts)
+  if size > limits.prompt_bytes:
+    param = "messages" if request.kind == "chat" else "prompt"
+    raise invalid(param, f"The prompt is {size} bytes of text; this server takes at most {limits.prompt_bytes} "
+                  "(more could only be more tokens than its longest prompt).", "context_length_exceeded")
+
+
+def parse(body: Mapping, kind: str, models: tuple[str, ...], max_tokens_limit: int,
+          limits: Limits = Limits()) -> Request:
+  """The checked `Request` of a chat (`kind="chat"`) or completion body, for a server of `models`, within
+  `limits`."""
   allowed = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
   unknown = sorted(set(body) - allowed)
   if unknown:
@@ -323,11 +372,13 @@ def parse(body: Mapping, kind: str, models: tuple[str, ...], max_tokens_limit: i
   if not isinstance(options, dict):
     raise invalid("stream_options", "'stream_options' must be an object.", "invalid_type")
   include_usage = _bool(options, "include_usage", param="stream_options.include_usage")
-  return Request(
+  request = Request(
       kind=kind, model=model,
-      messages=_messages(body) if kind == "chat" else (),
+      messages=_messages(body, limits) if kind == "chat" else (),
       prompt=_prompt(body) if kind == "completion" else "",
       max_tokens=max_tokens, temperature=_number(body, "temperature", 0.0, 2.0, 1.0), stop=_stop(body),
       seed=seed, stream=stream, include_usage=stream and include_usage,
       stream_canvas=stream and _bool(body, "stream_canvas"), response_format=_response_format(body),
       thinking=kind == "chat" and _thinking(body))
+  _check_prompt_bytes(request, limits)
+  return request

@@ -114,7 +114,7 @@ class Row:
     complete = done or step + 1 >= self.steps
     if self.pieces is not None and active:
       self._canvas_event(canvas_index, step, argmax, accepted, fixed, complete)
-    if complete:
+    if complete and canvas_index == self.canvases:  # once: a row that is done sees the batch's later passes
       self.commit(argmax)
 
   def _own(self, canvas) -> tuple[list[int], bool]:

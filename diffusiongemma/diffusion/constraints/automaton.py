@@ -28,6 +28,14 @@ canvas is valid when it is an accepted string, or an accepted string, a stop tok
 `distance[s]` is the fewest tokens from s to acceptance: "can still be finished within n tokens" is
 `distance <= n`.
 
+Cost: determinising a regex can take exponential time and memory (`(a|b)*a(a|b){17}` has 2^18 byte-DFA
+states), and a JSON schema's `$ref`s can multiply its regex. A `budget.Budget` bounds a build: the
+subschemas compiled, the regex's length before the DFA is built, the byte DFA's states (Q: the lift walks
+Q x trie nodes) and the token automaton's (S: the sampler's tables are [S, M]), and a deadline checked
+between the steps and inside the schema compiler and the lift; past one, `BudgetExceeded` names it. The
+byte DFA itself is built in one call that cannot be interrupted: only a separate process bounds its time
+and memory (the server builds there: `serving.constraints`).
+
 Axes: S states, M token classes, V vocab, Q byte-DFA states, K byte classes.
 """
 
@@ -40,6 +48,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from diffusiongemma.diffusion.constraints import json_schema as json_schema_lib
+from diffusiongemma.diffusion.constraints.budget import Budget
 from diffusiongemma.diffusion.constraints import regexp
 from diffusiongemma.diffusion.constraints import vocabulary as vocab_lib
 
@@ -150,7 +159,8 @@ class TokenAutomaton:
 # ---------------------------------------------------------------------------------------- builders
 def from_regex(regex: str, vocabulary, vocab_size: int | None = None, *, stop_tokens: Sequence[int],
                pad_id: int | None = None, after_stop_tokens: Sequence[int] | None = None,
-               disallowed_tokens: Sequence[int] = (), unicode: bool = False) -> TokenAutomaton:
+               disallowed_tokens: Sequence[int] = (), unicode: bool = False,
+               budget: Budget | None = None) -> TokenAutomaton:
   """The automaton of `regex` (Python `re` syntax, matched in full, over UTF-8 text) over a vocabulary.
 
   vocabulary: `{id: bytes | str}` of the text tokens, or a tokenizer (see `vocabulary.from_tokenizer`).
@@ -159,12 +169,13 @@ def from_regex(regex: str, vocabulary, vocab_size: int | None = None, *, stop_to
   after_stop_tokens: ids allowed after a stop token; default: the stop tokens and `pad_id`.
   disallowed_tokens: ids never allowed (e.g. the mask token of masked noise).
   unicode: \\d, \\w, \\s mean Python's Unicode classes (default: ASCII, `[0-9]` etc.; see `regexp`).
+  budget: the build's limits (`Budget`; None: none).
   Raises ValueError when the regex is invalid (with Python's reason and position), uses a construct a
-  constraint cannot enforce, or no token string matches it.
+  constraint cannot enforce, or no token string matches it; `BudgetExceeded` past a limit.
   """
   return from_tree(regexp.parse(regex, unicode=unicode), vocabulary, vocab_size, stop_tokens=stop_tokens,
                    pad_id=pad_id, after_stop_tokens=after_stop_tokens, disallowed_tokens=disallowed_tokens,
-                   description=f"regex {regex[:200]!r}")
+                   description=f"regex {regex[:200]!r}", budget=budget)
 
 
 def schema_regex(schema: Mapping | str, whitespace_pattern: str | None = None, *, unicode: bool = False) -> str:
@@ -181,15 +192,23 @@ def from_json_schema(schema: Mapping | str, vocabulary, vocab_size: int | None =
   whitespace_pattern: the regex of the whitespace allowed between JSON tokens (default: at most one
   space). Every keyword is enforced or refused with a ValueError naming it (`json_schema`).
   """
-  tree = json_schema_lib.compile_schema(schema, whitespace_pattern=whitespace_pattern, unicode=unicode)
-  return from_tree(tree, vocabulary, vocab_size, description="JSON schema", **kwargs)
+  budget = kwargs.pop("budget", None) or Budget()
+  deadline = budget.deadline()  # one deadline for the compilation and the automaton
+  tree = json_schema_lib.compile_schema(schema, whitespace_pattern=whitespace_pattern, unicode=unicode,
+                                        budget=budget)
+  return from_tree(tree, vocabulary, vocab_size, description="JSON schema", budget=budget, deadline=deadline,
+                   **kwargs)
 
 
 def from_tree(tree, vocabulary, vocab_size: int | None = None, *, stop_tokens: Sequence[int],
               pad_id: int | None = None, after_stop_tokens: Sequence[int] | None = None,
-              disallowed_tokens: Sequence[int] = (), description: str = "regex") -> TokenAutomaton:
-  """The automaton of a `regexp` syntax tree (see `from_regex` for the arguments)."""
+              disallowed_tokens: Sequence[int] = (), description: str = "regex",
+              budget: Budget | None = None, deadline: float | None = None) -> TokenAutomaton:
+  """The automaton of a `regexp` syntax tree (see `from_regex` for the arguments; `deadline`: the budget's,
+  when the build started earlier, in `time.monotonic()` seconds)."""
   start_time = time.perf_counter()
+  budget = budget or Budget()
+  deadline = budget.deadline() if deadline is None else deadline
   tokens = vocab_lib.from_tokenizer(vocabulary)
   stop_tokens = tuple(int(t) for t in stop_tokens)
   if not stop_tokens:
@@ -206,9 +225,14 @@ def from_tree(tree, vocabulary, vocab_size: int | None = None, *, stop_tokens: S
   if tree == regexp.EMPTY:
     raise ValueError(f"The {description} matches no text at all (it is unsatisfiable).")
   regex = regexp.emit(tree)
+  budget.check("max_regex_chars", len(regex), "regex length in characters")
   byte_next, final, q0 = _byte_dfa(regex, description)
-  transitions, token_class = _lift(byte_next, text_tokens, size)
+  budget.check("max_dfa_states", byte_next.shape[0] - 1, "byte-level DFA's number of states")
+  budget.check_time(deadline)
+  transitions, token_class = _lift(byte_next, text_tokens, size, lambda: budget.check_time(deadline))
   transitions, final = _prune(transitions, final, q0, description)
+  budget.check("max_states", transitions.shape[0] + 1, "token automaton's number of states")
+  budget.check_time(deadline)
   transitions, token_class, accepting, stopped = _add_stop(
       transitions, token_class, final, stop_tokens, after_stop_tokens)
   distance = _distance(transitions, accepting)
@@ -310,9 +334,10 @@ class _Trie:
     return out
 
 
-def _lift(byte_next: np.ndarray, tokens: Mapping[int, bytes], vocab_size: int
+def _lift(byte_next: np.ndarray, tokens: Mapping[int, bytes], vocab_size: int, check_time=lambda: None
           ) -> tuple[np.ndarray, np.ndarray]:
-  """Token-level (transitions [Q, M] with dead = Q and a dead last class, token_class [V])."""
+  """Token-level (transitions [Q, M] with dead = Q and a dead last class, token_class [V]); `check_time()`
+  is called between chunks of states (it raises to stop)."""
   q = byte_next.shape[0] - 1
   columns, byte_class = np.unique(byte_next[:q].T, axis=0, return_inverse=True)
   byte_class = byte_class.reshape(-1)
@@ -331,6 +356,7 @@ def _lift(byte_next: np.ndarray, tokens: Mapping[int, bytes], vocab_size: int
   rng = np.random.default_rng(0)
   trie = _Trie.build(unique)
   for lo in range(0, q, step):
+    check_time()
     cols = trie.walk(class_next, all_states[lo:lo + step]).astype(np.uint64)  # [R, chunk]
     weights = rng.integers(1, 2**63, cols.shape[1], dtype=np.uint64) | np.uint64(1)
     key = (cols * weights[None]).sum(axis=1) + labels.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)

@@ -34,6 +34,7 @@ import math
 from collections.abc import Mapping
 
 from diffusiongemma.diffusion.constraints import regexp as rx
+from diffusiongemma.diffusion.constraints.budget import Budget
 
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
                          "writeOnly", "$schema"})
@@ -74,12 +75,13 @@ FORMATS = {  # the texts `jsonschema`'s format checker accepts (a subset of each
 
 
 def compile_schema(schema: Mapping | bool | str, *, whitespace_pattern: str | None = None,
-                   unicode: bool = False):
+                   unicode: bool = False, budget: Budget | None = None):
   """The regex tree of the JSON texts valid under `schema` (a dict, a boolean or JSON text).
 
   whitespace_pattern: the regex (Python syntax) of the whitespace allowed between JSON tokens (default:
   at most one space); it may only match JSON whitespace. unicode: \\d \\w \\s in `pattern` keywords mean
-  Python's Unicode classes instead of ASCII ones.
+  Python's Unicode classes instead of ASCII ones. budget: its `max_schema_nodes` and `seconds` bound the
+  compilation (each `$ref` is compiled again where it is used, so refs to refs multiply).
   """
   if isinstance(schema, str):
     try:
@@ -92,7 +94,8 @@ def compile_schema(schema: Mapping | bool | str, *, whitespace_pattern: str | No
   if any(rx.subtract(ranges, _JSON_WHITESPACE) for ranges in rx.char_sets(whitespace)):
     raise ValueError(f"whitespace_pattern {whitespace_pattern!r} matches characters other than JSON "
                      "whitespace (space, tab, newline, carriage return).")
-  tree = _Compiler(schema, whitespace, unicode).compile(schema, "#")
+  budget = budget or Budget()
+  tree = _Compiler(schema, whitespace, unicode, budget, budget.deadline()).compile(schema, "#")
   if tree == rx.EMPTY:
     raise ValueError("The JSON schema admits no value the constraint can produce (it is unsatisfiable, or "
                      f"every value is nested deeper than {REF_DEPTH} recursive $refs).")
@@ -139,8 +142,9 @@ def _json_key(value):
 class _Compiler:
   """One schema's compilation: the root (for $ref), whitespace, and the $refs being expanded."""
 
-  def __init__(self, root, whitespace, unicode: bool):
+  def __init__(self, root, whitespace, unicode: bool, budget: Budget, deadline: float | None):
     self.root, self.ws, self.unicode = root, whitespace, unicode
+    self.budget, self.deadline, self.nodes = budget, deadline, 0
     self.sep = rx.seq(whitespace, rx.literal(","), whitespace)
     self.expanding: list[str] = []
     self.any_cache: dict[int, object] = {}
@@ -174,6 +178,9 @@ class _Compiler:
 
   # ------------------------------------------------------------------------------------ schemas
   def compile(self, schema, path: str):
+    self.nodes += 1
+    self.budget.check("max_schema_nodes", self.nodes, "number of subschemas compiled ($refs expanded)")
+    self.budget.check_time(self.deadline)
     if schema is True:
       return self.any_value(ANY_DEPTH)
     if schema is False:

@@ -1,9 +1,10 @@
 // The DiffusionGemma page: chat over /v1/chat/completions (streamed, with the canvas extension events) and
-// the canvas drawn after every denoiser pass. Plain JS, no build step.
+// the canvas drawn after every denoiser pass; for a model without a chat format (a training run's), plain
+// completion over /v1/completions (the text is the prompt). Plain JS, no build step.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { model: null, messages: [], busy: false };
+const state = { model: null, chat: true, messages: [], busy: false };
 // Read by the browser test: how many canvas events were drawn and how many distinct canvases they showed.
 window.dgStats = { canvasUpdates: 0, distinctCanvases: 0, replies: 0, lastCanvas: "" };
 
@@ -83,13 +84,15 @@ async function* sseEvents(response) {
   }
 }
 
-function requestBody() {
-  const body = { model: state.model, messages: state.messages, stream: true, stream_canvas: true };
+function requestBody(text) {
+  const body = { model: state.model, stream: true, stream_canvas: true };
+  if (state.chat) body.messages = state.messages;
+  else body.prompt = text;
   const number = (id) => ($(id).value === "" ? null : Number($(id).value));
   if (number("max-tokens") !== null) body.max_tokens = number("max-tokens");
   if (number("temperature") !== null) body.temperature = number("temperature");
   if (number("seed") !== null) body.seed = number("seed");
-  if ($("thinking").checked) body.reasoning_effort = "medium";
+  if ($("thinking").checked && state.chat) body.reasoning_effort = "medium";
   const schema = $("schema").value.trim();
   if (schema) {
     body.response_format = { type: "json_schema", json_schema: { name: "page_schema", schema: JSON.parse(schema) } };
@@ -104,14 +107,14 @@ async function send(text) {
   let content = "", thought = "";
   let body;
   try {
-    body = requestBody();
+    body = requestBody(text);
   } catch (e) {
     reply.div.classList.add("error");
     reply.content.textContent = `The JSON schema is not valid JSON: ${e.message}`;
     state.messages.pop();
     return;
   }
-  const response = await fetch("/v1/chat/completions", {
+  const response = await fetch(state.chat ? "/v1/chat/completions" : "/v1/completions", {
     method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) });
   if (!response.ok) {
     const error = await response.json().catch(() => ({ error: { message: response.statusText } }));
@@ -135,13 +138,14 @@ async function send(text) {
     }
     const choice = chunk.choices && chunk.choices[0];
     if (!choice) continue;
-    if (choice.delta.reasoning_content) {
-      thought += choice.delta.reasoning_content;
+    const delta = choice.delta || { content: choice.text };  // a completion chunk carries `text`
+    if (delta.reasoning_content) {
+      thought += delta.reasoning_content;
       reply.thought.hidden = false;
       reply.thought.textContent = thought;
     }
-    if (choice.delta.content) {
-      content += choice.delta.content;
+    if (delta.content) {
+      content += delta.content;
       reply.content.textContent = content;
     }
     if (choice.finish_reason) {
@@ -180,6 +184,7 @@ $("reset").addEventListener("click", () => { state.messages = []; $("transcript"
 
 fetch("/v1/models").then((r) => r.json()).then((models) => {
   state.model = models.data[0].id;
-  $("model").textContent = state.model;
+  state.chat = models.data[0].chat !== false;
+  $("model").textContent = state.model + (state.chat ? "" : " (no chat format: plain completion)");
 });
 fetch("/health").then((r) => r.json()).then((h) => { $("status").textContent = h.status; });
