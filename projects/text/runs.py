@@ -11,7 +11,6 @@ distinct 4-grams is the mean over continuations of distinct / all 4-grams of eac
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -78,18 +77,10 @@ def load(workdir: str | None = None, name: str = DISTILLED) -> TextModel:
 def read_prompts(path, tokenizer, max_prompt_tokens: int = 64, limit: int | None = None) -> list[list[int]]:
   """The prompts of a JSONL file (one `{"prompt": text}` per line, other keys ignored), tokenized, each cut
   to its last `max_prompt_tokens` tokens."""
-  path = pathlib.Path(path)
-  texts = []
-  for number, line in enumerate(path.read_text().splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as error:
-      raise ValueError(f"{path}:{number}: not JSON ({error.msg}).") from None
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-      raise ValueError(f"{path}:{number}: expected an object with a non-empty string 'prompt'.")
-    texts.append(record["prompt"])
+  texts = [text for text, in data_lib.corpus.read_jsonl_fields(path, ("prompt",))]
+  empty = next((i for i, text in enumerate(texts) if not text), None)
+  if empty is not None:
+    raise ValueError(f"{path}: prompt {empty + 1} is empty.")
   if not texts:
     raise ValueError(f"{path} holds no prompts.")
   texts = texts[:limit]
