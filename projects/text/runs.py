@@ -23,6 +23,7 @@ from diffusiongemma import build
 from diffusiongemma import data as data_lib
 from diffusiongemma.evaluation import generative
 from diffusiongemma.sampling import prompts as prompts_lib
+from diffusiongemma.sampling import speculative as speculative_lib
 from diffusiongemma.sampling import stats as stats_lib
 from diffusiongemma.build import release
 
@@ -54,6 +55,12 @@ class TextModel:
     sampler = self.sampler()
     return dg.ARSampler(sampler.model, stop_tokens=sampler.stop_tokens,
                         prompt_bucket=sampler.config.prompt_bucket)
+
+  def speculative_sampler(self) -> speculative_lib.SelfSpeculativeSampler:
+    """Self-speculative decoding of the same weights (AR greedy's text; the denoiser drafts)."""
+    sampler = self.sampler()
+    return speculative_lib.SelfSpeculativeSampler(sampler.model, build.noise(self.config).mask_token_id,
+                                                  stop_tokens=sampler.stop_tokens)
 
   def judge(self) -> generative.Judge:
     return generative.Judge("self", self.model, self.variables)
@@ -106,6 +113,19 @@ def diffusion(sampler: dg.Sampler, variables, prompts, max_new_tokens: int, batc
     result = sampler.generate(variables, tokens, jax.random.key(seed + i), max_new_tokens, prompt_lengths=lengths)
     rows = np.asarray(result.tokens)[:real]
     out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id) for row in rows]
+    passes.append(np.asarray(result.num_denoiser_passes)[:real])
+  return out, np.concatenate(passes)
+
+
+def speculative(sampler, variables, prompts, max_new_tokens: int, batch_size: int
+                ) -> tuple[list[list[int]], np.ndarray]:
+  """`diffusion`'s output for `sampling.speculative.SelfSpeculativeSampler` (AR greedy's text, drafted by the
+  denoiser)."""
+  out, passes = [], []
+  for tokens, lengths, real in _batches(prompts, batch_size):
+    result = sampler.generate(variables, tokens, max_new_tokens, prompt_lengths=lengths)
+    out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id)
+            for row in np.asarray(result.tokens)[:real]]
     passes.append(np.asarray(result.num_denoiser_passes)[:real])
   return out, np.concatenate(passes)
 
