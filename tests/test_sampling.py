@@ -635,6 +635,11 @@ def test_self_speculative_decoding_writes_ar_greedy(model, params, ar_sampler, d
       assert int(got.num_denoiser_passes[row]) == -(-n // min(drafter, TINY.canvas_length)), (row, n)
   with pytest.raises(ValueError, match=r"mask_id=61 is invalid; expected a token id in \[0, 61\)"):
     speculative.SelfSpeculativeSampler(model, mask_id=61)
+  spec = speculative.SelfSpeculativeSampler(model, mask_id=TINY.vocab_size - 1)
+  with pytest.raises(ValueError, match=r"prompt_lengths=\[5, 0, 4\] is invalid; expected 3 ints in \[1, 5\]"):
+    spec.generate(params, prompts, NEW, prompt_lengths=[5, 0, 4])
+  with pytest.raises(ValueError, match="need 69 positions with a drafted canvas; the model has max_positions=64"):
+    spec.generate(params, prompts, 56)
 
 
 def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler):

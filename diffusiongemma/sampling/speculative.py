@@ -18,6 +18,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from diffusiongemma.model.attention import KVCache
 from diffusiongemma.sampling import prompts as prompts_lib
@@ -53,8 +54,18 @@ class SelfSpeculativeSampler:
       raise ValueError(f"prompt_tokens has shape {tokens.shape}; expected [batch, length >= 1].")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
       raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; expected an int >= 1.")
-    lengths = (jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if prompt_lengths is None
-               else jnp.asarray(prompt_lengths, jnp.int32))
+    b, width = tokens.shape
+    lengths = np.full((b,), width) if prompt_lengths is None else np.asarray(prompt_lengths)
+    if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer) or not (
+        (lengths >= 1) & (lengths <= width)).all():
+      raise ValueError(f"prompt_lengths={lengths.tolist()} is invalid; expected {b} ints in [1, {width}] (each "
+                       "row's prompt length, the rest of the row padding).")
+    needed = width + max_new_tokens + self.model.config.canvas_length
+    if needed > self.model.config.max_positions:
+      raise ValueError(f"A prompt of {width} positions and max_new_tokens={max_new_tokens} need {needed} "
+                       f"positions with a drafted canvas; the model has max_positions="
+                       f"{self.model.config.max_positions}.")
+    lengths = jnp.asarray(lengths, jnp.int32)
     return _program(self, prompts_lib.variables(params), tokens, lengths, max_new_tokens=max_new_tokens)
 
 
