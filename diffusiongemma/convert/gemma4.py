@@ -123,7 +123,7 @@ def fresh_self_conditioning(cfg: ModelConfig) -> dict[str, Any]:
   x = jnp.zeros((1, 1, cfg.hidden_size), jnp.float32)
   params = jax.jit(lambda key: nn.unbox(module.init(key, x, None)))(jax.random.key(0))["params"]
   params = jax.tree.map(np.asarray, traverse_util.flatten_dict(params))
-  pass
+  params[("mlp", "linear")] = np.zeros_like(params[("mlp", "linear")])
   return {_SELF_CONDITIONING: traverse_util.unflatten_dict(params)}
 
 
