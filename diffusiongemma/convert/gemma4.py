@@ -22,7 +22,10 @@ denoiser's own scalars and self-conditioning are left behind.
 
 What DiffusionGemma lacks is refused by name (`check`): per-layer input embeddings, KV sharing (and the
 double-wide MLP of shared layers), layers without the MoE block, attention biases, another activation, text
-attending both ways, and audio. A separate V projection in full attention (`attention_k_eq_v` false) is kept:
+attending both ways, and audio; and, with a vision encoder, image tokens attending both ways
+(`use_bidirectional_attention='vision'`, `check_vision`): Gemma 4 does it in its sliding-window layers only,
+DiffusionGemma in every layer, so the same weights give other logits with images (the text model alone,
+`load_hf(..., vision=None)`, is exact; writing such a DiffusionGemma as Gemma 4 is refused the same way). A separate V projection in full attention (`attention_k_eq_v` false) is kept:
 `ModelConfig.full_k_eq_v=False` runs it exactly (such a model cannot be written as a transformers
 DiffusionGemma, which fixes k = v; it can be written back as Gemma 4).
 """
@@ -93,6 +96,21 @@ def check(top: _files.Fields, text: _files.Fields) -> None:
                               f"without dropping it: {'; '.join(problems)}.")
 
 
+_BIDIRECTIONAL_VISION = ("Gemma 4 lets an image's soft tokens attend to each other both ways in its sliding-window "
+                         "layers only, within the window; DiffusionGemma in every layer")
+
+
+def check_vision(top: _files.Fields, text: _files.Fields, vision) -> None:
+  """Refuses a Gemma 4 whose vision encoder would load (`vision`, a VisionConfig or None) with
+  `use_bidirectional_attention='vision'`: transformers' Gemma 4 and DiffusionGemma mean different masks by it
+  (`_BIDIRECTIONAL_VISION`), so the images' logits would change. Text alone loads exactly (`vision=None`)."""
+  if vision is not None and vision.bidirectional_attention:
+    raise _files.BadFileError(
+        f"{top.source}: this Gemma 4 has what DiffusionGemma lacks, so it cannot be loaded without changing it: "
+        f"{text.prefix}use_bidirectional_attention='vision' ({_BIDIRECTIONAL_VISION}). Load its text model "
+        "alone with vision=None (exact without images).")
+
+
 def rename(key: str, kind: str) -> str | None:
   """The Gemma 4 (`kind`: a model_type) name of a DiffusionGemma checkpoint key; None for the denoiser's
   self-conditioning, which Gemma 4 lacks. Keys of neither model (e.g. `lm_head.weight`) are kept."""
@@ -140,8 +158,10 @@ def config_to_hf(cfg: ModelConfig, text: dict[str, Any], architecture: str) -> d
       raise ValueError("This model has a vision encoder, which Gemma4ForCausalLM cannot hold: write it with "
                        "architecture='Gemma4ForConditionalGeneration' to keep it.")
     return dict(text, architectures=[architecture])
-  if cfg.vision is not None:
-    text["use_bidirectional_attention"] = "vision" if cfg.vision.bidirectional_attention else None
+  if cfg.vision is not None and cfg.vision.bidirectional_attention:
+    raise ValueError(f"This model's vision has bidirectional_attention=True, which Gemma 4 cannot hold "
+                     f"({_BIDIRECTIONAL_VISION}): write it as Gemma4ForCausalLM without "
+                     "its vision encoder (cfg.replace(vision=None)), or as a DiffusionGemma.")
   return dict(architectures=[architecture], model_type=kind, text_config=text, tie_word_embeddings=True,
               vision_config=None if cfg.vision is None else _vision.config_to_hf(cfg.vision), audio_config=None,
               image_token_id=cfg.image_id, boi_token_id=cfg.begin_image_id, eoi_token_id=cfg.end_image_id)

@@ -229,6 +229,8 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
   )
   values.update(_vision.config_from_hf(top, values["vocab_size"]))
   values.update(overrides)
+  if is_gemma4:
+    gemma4.check_vision(top, text, values["vision"])
   try:
     return ModelConfig(**values)
   except ValueError as e:
