@@ -14,9 +14,10 @@ before and after, a float32 matmul peak measured in the run, every sampler setti
 
   python -m benchmarks.text_vs_ar --prompts=projects/text/prompts/validation.jsonl --output=results/text_validation.json
   python -m benchmarks.text_vs_ar --prompts=P --output=O --workdir=W      # a training run instead
+  python -m benchmarks.text_vs_ar --prompts=P --output=O --decoder=speculative   # the denoiser drafts, AR checks
 
-JSON: weights, prompts, settings (max_new_tokens, max_prompt_tokens, batch sizes, repeats, sampler = every
-setting, ar = the AR decoder's), machine (`measure.provenance`, matmul_peak_gflops, load_average_after,
+JSON: weights, prompts, settings (max_new_tokens, max_prompt_tokens, batch sizes, repeats, decoder, sampler =
+every setting, ar = the AR decoder's), machine (`measure.provenance`, matmul_peak_gflops, load_average_after,
 warnings); diffusion / ar: tokens_per_pass (diffusion), judged_perplexity, judged_nll_per_token,
 distinct_4gram, new_tokens, mean_length, and tokens_per_second, tokens_per_second_median, seconds,
 compile_seconds, timed_new_tokens, each keyed by batch size ("1", "8"); speedup: diffusion / AR tokens per
@@ -51,6 +52,9 @@ _TIMING_PROMPTS = flags.DEFINE_integer("timing_prompts", 16, "Prompts per timed 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls of each decoder (alternated).")
 _MAX_LOAD = flags.DEFINE_float("max_load", 0.5, "Refuse to time above this 1-minute load average.")
 _ALLOW_LOAD = flags.DEFINE_bool("allow_load", False, "Time on a loaded machine anyway (warned in the JSON).")
+_DECODER = flags.DEFINE_enum("decoder", "sampler", ["sampler", "speculative"], "The diffusion side: the "
+                              "block-diffusion sampler, or self-speculative decoding (the denoiser drafts, the "
+                              "encoder checks: AR greedy's text; each denoiser pass comes with an encoder pass).")
 _SAMPLER = flags.DEFINE_multi_string("sampler", [], "config.sampler overrides, key=value (e.g. "
                                      "confidence_accept=0.8).")
 
@@ -88,13 +92,26 @@ def main(argv):
   sampler, ar = run.sampler(**_overrides(_SAMPLER.value)), run.ar_sampler()
   new = _MAX_NEW.value
 
-  cont_d, passes = runs.diffusion(sampler, run.variables, prompts, new, _QUALITY_BATCH.value)
+  speculative = _DECODER.value == "speculative"
+  if speculative and _SAMPLER.value:
+    raise app.UsageError(f"--sampler={_SAMPLER.value} sets the block-diffusion sampler; --decoder=speculative "
+                         "does not use it.")
+  spec = run.speculative_sampler() if speculative else None
+
+  def decode(prompts_, batch_size):
+    if speculative:
+      return runs.speculative(spec, run.variables, prompts_, new, batch_size)
+    return runs.diffusion(sampler, run.variables, prompts_, new, batch_size)
+
+  cont_d, passes = decode(prompts, _QUALITY_BATCH.value)
   cont_a = runs.autoregressive(ar, run.variables, prompts, new, _QUALITY_BATCH.value)
   result = {"weights": run.source, "prompts": _PROMPTS.value, "num_prompts": len(prompts),
             "settings": {"max_new_tokens": new, "max_prompt_tokens": _MAX_PROMPT.value,
                          "batch_sizes": [int(b) for b in _BATCH_SIZES.value], "repeats": _REPEATS.value,
                          "timing_prompts": _TIMING_PROMPTS.value, "quality_batch_size": _QUALITY_BATCH.value,
-                         "sampler": sampler.settings(),
+                         "decoder": _DECODER.value,
+                         "sampler": ({"mask_id": spec.mask_id, "stop_tokens": list(spec.stop_tokens)}
+                                     if speculative else sampler.settings()),
                          "ar": {"decoding": "greedy", "kv_cache": True, "stop_tokens": list(ar.stop_tokens),
                                 "prompt_bucket": ar.prompt_bucket}},
             "diffusion": {"tokens_per_pass": sum(map(len, cont_d)) / max(int(passes.sum()), 1),
@@ -112,7 +129,7 @@ def main(argv):
     outputs = {}
 
     def decode_diffusion(b=b):
-      outputs["diffusion"] = runs.diffusion(sampler, run.variables, timing, new, b)[0]
+      outputs["diffusion"] = decode(timing, b)[0]
 
     def decode_ar(b=b):
       outputs["ar"] = runs.autoregressive(ar, run.variables, timing, new, b)

@@ -19,7 +19,7 @@ import diffusiongemma as dg
 from diffusiongemma import diffusion
 from diffusiongemma.build.config import load_config_file
 from diffusiongemma.diffusion import acceptance, stopping
-from diffusiongemma.sampling import autoregressive, sampler as sampler_lib, stats, steps
+from diffusiongemma.sampling import autoregressive, sampler as sampler_lib, speculative, stats, steps
 from diffusiongemma.sampling import vocab as vocab_lib
 import notebooks
 
@@ -601,6 +601,40 @@ def test_sample_token():
   assert set(np.unique(draw(keys, logits, jnp.float32(1.0), jnp.float32(0.6)))) == {1, 2}  # .51 + .46
   assert (draw(keys, logits, jnp.float32(1.0), jnp.float32(1e-3)) == 1).all()
   assert len(np.unique(draw(keys, logits, jnp.float32(1.0), jnp.float32(1.0)))) >= 3
+
+
+class _Drafter(dg.DiffusionGemma):
+  """A denoiser whose drafts are known: AR greedy's tokens (the encoder run token by token from the cache)
+  up to canvas position `wrong_from`, a wrong token there."""
+
+  wrong_from: int = 99
+
+  def denoise(self, canvas, cache=None, *args, **kwargs):
+    tokens = [canvas[:, 0]]
+    for i in range(1, canvas.shape[1]):
+      logits, cache = self.encode(tokens[-1][:, None], cache)
+      greedy = jnp.argmax(logits[:, -1], -1).astype(jnp.int32)
+      tokens.append(greedy if i < self.wrong_from else (greedy + 1) % self.config.vocab_size)
+    return 10.0 * jax.nn.one_hot(jnp.stack(tokens, 1), self.config.vocab_size)
+
+
+@pytest.mark.parametrize("drafter", [None, 99, 3], ids=["random denoiser", "all right", "2 right"])
+def test_self_speculative_decoding_writes_ar_greedy(model, params, ar_sampler, drafter):
+  """Whatever the denoiser drafts, the text is AR greedy's; an iteration commits the next token and the
+  drafts that agree with the encoder from the left (all 7 or 2), so its passes follow."""
+  prompts, lengths = _prompts(21, lengths=(5, 3, 4)), np.array([5, 3, 4])
+  want = ar_sampler.generate(params, prompts, jax.random.key(0), NEW, prompt_lengths=lengths, temperature=0.0)
+  drafting = model if drafter is None else _Drafter(TINY, wrong_from=drafter)
+  got = speculative.SelfSpeculativeSampler(drafting, mask_id=TINY.vocab_size - 1, stop_tokens=STOP).generate(
+      params, prompts, NEW, prompt_lengths=lengths)
+  for row, tokens in enumerate(np.asarray(want.tokens)):
+    stops = np.flatnonzero(np.isin(tokens, STOP))
+    n = stops[0] + 1 if stops.size else NEW  # new tokens up to and including the stop
+    np.testing.assert_array_equal(np.asarray(got.tokens)[row, :n], tokens[:n])
+    if drafter is not None:
+      assert int(got.num_denoiser_passes[row]) == -(-n // min(drafter, TINY.canvas_length)), (row, n)
+  with pytest.raises(ValueError, match=r"mask_id=61 is invalid; expected a token id in \[0, 61\)"):
+    speculative.SelfSpeculativeSampler(model, mask_id=61)
 
 
 def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler):

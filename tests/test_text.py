@@ -116,7 +116,7 @@ def test_distilled_run_decodes_and_the_benchmark_writes_every_field(tiny_recipe,
   with pytest.raises(subprocess.CalledProcessError) as error:
     _run("-m", "benchmarks.text_vs_ar", f"--workdir={distilled}", f"--prompts={tmp_path / 'bad.jsonl'}",
          f"--output={output}", "--allow_load")
-  assert "bad.jsonl:2: expected an object with a non-empty string 'prompt'" in error.value.stderr
+  assert "bad.jsonl: line 2 has no string field 'prompt'" in error.value.stderr
 
 
 def test_the_text_config_builds_every_variant(tmp_path):

@@ -74,7 +74,8 @@ def plot(results: dict, path: pathlib.Path) -> None:
     ax.plot(x, y, marker="o", label=name)
     for p in result["points"]:
       ax.annotate(f"{p['threshold']:g}", (p["tokens_per_pass"], p["perplexity_ratio"]), fontsize=7)
-  ax.axhline(1.10, color="grey", linestyle="--", linewidth=0.8)
+  ax.axhline(1.10, color="grey", linestyle="--", linewidth=0.8)  # the goal
+  ax.set_yscale("log")
   ax.set_xlabel("new tokens per denoiser pass")
   ax.set_ylabel("judged perplexity / AR greedy's")
   ax.set_title(f"{_ACCEPTANCE.value} threshold: tokens per pass against quality")

@@ -11,7 +11,6 @@ distinct 4-grams is the mean over continuations of distinct / all 4-grams of eac
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +23,7 @@ from diffusiongemma import build
 from diffusiongemma import data as data_lib
 from diffusiongemma.evaluation import generative
 from diffusiongemma.sampling import prompts as prompts_lib
+from diffusiongemma.sampling import speculative as speculative_lib
 from diffusiongemma.sampling import stats as stats_lib
 from diffusiongemma.build import release
 
@@ -56,6 +56,12 @@ class TextModel:
     return dg.ARSampler(sampler.model, stop_tokens=sampler.stop_tokens,
                         prompt_bucket=sampler.config.prompt_bucket)
 
+  def speculative_sampler(self) -> speculative_lib.SelfSpeculativeSampler:
+    """Self-speculative decoding of the same weights (AR greedy's text; the denoiser drafts)."""
+    sampler = self.sampler()
+    return speculative_lib.SelfSpeculativeSampler(sampler.model, build.noise(self.config).mask_token_id,
+                                                  stop_tokens=sampler.stop_tokens)
+
   def judge(self) -> generative.Judge:
     return generative.Judge("self", self.model, self.variables)
 
@@ -78,18 +84,10 @@ def load(workdir: str | None = None, name: str = DISTILLED) -> TextModel:
 def read_prompts(path, tokenizer, max_prompt_tokens: int = 64, limit: int | None = None) -> list[list[int]]:
   """The prompts of a JSONL file (one `{"prompt": text}` per line, other keys ignored), tokenized, each cut
   to its last `max_prompt_tokens` tokens."""
-  path = pathlib.Path(path)
-  texts = []
-  for number, line in enumerate(path.read_text().splitlines(), 1):
-    if not line.strip():
-      continue
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as error:
-      raise ValueError(f"{path}:{number}: not JSON ({error.msg}).") from None
-    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-      raise ValueError(f"{path}:{number}: expected an object with a non-empty string 'prompt'.")
-    texts.append(record["prompt"])
+  texts = [text for text, in data_lib.corpus.read_jsonl_fields(path, ("prompt",))]
+  empty = next((i for i, text in enumerate(texts) if not text), None)
+  if empty is not None:
+    raise ValueError(f"{path}: prompt {empty + 1} is empty.")
   if not texts:
     raise ValueError(f"{path} holds no prompts.")
   texts = texts[:limit]
@@ -115,6 +113,19 @@ def diffusion(sampler: dg.Sampler, variables, prompts, max_new_tokens: int, batc
     result = sampler.generate(variables, tokens, jax.random.key(seed + i), max_new_tokens, prompt_lengths=lengths)
     rows = np.asarray(result.tokens)[:real]
     out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id) for row in rows]
+    passes.append(np.asarray(result.num_denoiser_passes)[:real])
+  return out, np.concatenate(passes)
+
+
+def speculative(sampler, variables, prompts, max_new_tokens: int, batch_size: int
+                ) -> tuple[list[list[int]], np.ndarray]:
+  """`diffusion`'s output for `sampling.speculative.SelfSpeculativeSampler` (AR greedy's text, drafted by the
+  denoiser)."""
+  out, passes = [], []
+  for tokens, lengths, real in _batches(prompts, batch_size):
+    result = sampler.generate(variables, tokens, max_new_tokens, prompt_lengths=lengths)
+    out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id)
+            for row in np.asarray(result.tokens)[:real]]
     passes.append(np.asarray(result.num_denoiser_passes)[:real])
   return out, np.concatenate(passes)
 

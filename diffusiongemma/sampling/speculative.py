@@ -1,0 +1,94 @@
+"""Self-speculative decoding: the denoiser drafts a canvas in one pass, the causal encoder checks it in one
+pass, and the text is exactly the encoder's greedy (AR) decoding.
+
+Each iteration: the denoiser sees a canvas whose first position holds the next token (known: the encoder's
+prediction) and masks after it, and drafts the rest with its argmax; the encoder encodes that block after
+the cache, which both commits it and gives its next-token argmax at every position; the drafts that agree
+with it, from the left, are accepted, so an iteration commits 1 + (accepted drafts) tokens, and the cache
+keeps only those (its `length`; later writes overwrite the rest). A model trained for masked noise whose
+denoiser agrees with its encoder (e.g. distilled from its own greedy decoding) accepts many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from diffusiongemma.model.attention import KVCache
+from diffusiongemma.sampling import prompts as prompts_lib
+
+
+@flax.struct.dataclass
+class SpeculativeOutput:
+  tokens: jax.Array  # [B, max_new_tokens] int32: each row's new tokens (after a stop token: anything)
+  num_denoiser_passes: jax.Array  # [B] int32: denoiser passes (as many encoder passes over the blocks)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfSpeculativeSampler:
+  """`generate(params, prompts [B, L], max_new_tokens, prompt_lengths)`: greedy AR text, drafted by the
+  denoiser a canvas at a time. `mask_id`: the masked-noise token the denoiser was trained to fill."""
+
+  model: nn.Module
+  mask_id: int
+  stop_tokens: tuple[int, ...] | None = None  # None: the model's eos
+
+  def __post_init__(self):
+    cfg = self.model.config
+    if isinstance(self.mask_id, bool) or not isinstance(self.mask_id, int) or not 0 <= self.mask_id < cfg.vocab_size:
+      raise ValueError(f"SelfSpeculativeSampler.mask_id={self.mask_id!r} is invalid; expected a token id in "
+                       f"[0, {cfg.vocab_size}) (the masked-noise token of the model's training).")
+    object.__setattr__(self, "stop_tokens", prompts_lib.check_stop_tokens(self.stop_tokens, cfg))
+
+  def generate(self, params, prompt_tokens, max_new_tokens: int, prompt_lengths=None) -> SpeculativeOutput:
+    """`params`: a parameter tree or `{'params': ...}`; `prompt_lengths` [B]: each row's prompt length
+    (right padding), default the full width."""
+    tokens = jnp.asarray(prompt_tokens, jnp.int32)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+      raise ValueError(f"prompt_tokens has shape {tokens.shape}; expected [batch, length >= 1].")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; expected an int >= 1.")
+    lengths = (jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if prompt_lengths is None
+               else jnp.asarray(prompt_lengths, jnp.int32))
+    return _program(self, prompts_lib.variables(params), tokens, lengths, max_new_tokens=max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("sampler", "max_new_tokens"))
+def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, *, max_new_tokens: int
+             ) -> SpeculativeOutput:
+  model, cfg = sampler.model, sampler.model.config
+  b, c = tokens.shape[0], cfg.canvas_length
+  rows = jnp.arange(b)
+  cache = KVCache.empty(cfg, b, tokens.shape[1] + max_new_tokens + c)
+  logits, cache = model.apply(variables, tokens, cache, num_tokens=lengths, method=model.encode)
+  first = jnp.argmax(logits[rows, lengths - 1], -1).astype(jnp.int32)  # AR greedy's first new token
+  out = jnp.full((b, max_new_tokens + c), cfg.pad_id, jnp.int32)
+  stops = jnp.asarray(sampler.stop_tokens, jnp.int32)
+
+  def body(carry):
+    cache, nxt, out, count, passes, done = carry
+    canvas = jnp.full((b, c), sampler.mask_id, jnp.int32).at[:, 0].set(nxt)
+    draft = jnp.argmax(model.apply(variables, canvas, cache, method=model.denoise), -1).astype(jnp.int32)
+    block = draft.at[:, 0].set(nxt)
+    logits, written = model.apply(variables, block, cache, method=model.encode)
+    predicted = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, C]: the token after each block position
+    accepted = jnp.cumprod(predicted[:, :-1] == block[:, 1:], axis=1).sum(1)  # drafts agreeing from the left
+    take = jnp.where(done, 0, 1 + accepted)  # [B]: committed this iteration
+    slot = jnp.arange(c)[None]
+    keep = slot < take[:, None]
+    index = count[:, None] + slot
+    out = out.at[rows[:, None], index].set(jnp.where(keep, block, out[rows[:, None], index]))
+    stopped = (keep & jnp.isin(block, stops)).any(1)
+    cache = written.replace(length=cache.length + take)
+    count = count + take
+    return (cache, predicted[rows, accepted], out, count, passes + (~done).astype(jnp.int32),
+            done | stopped | (count >= max_new_tokens))
+
+  carry = (cache, first, out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool))
+  _, _, out, _, passes, _ = jax.lax.while_loop(lambda carry: ~carry[-1].all(), body, carry)
+  return SpeculativeOutput(tokens=out[:, :max_new_tokens], num_denoiser_passes=passes)
