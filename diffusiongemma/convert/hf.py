@@ -535,6 +535,11 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
   kind = gemma4.ARCHITECTURES.get(architecture)
   entries = [(entry.keys[0] if kind is None else gemma4.rename(entry.keys[0], kind), entry)
              for entry in _layout(cfg) if kind is None or not gemma4.denoiser_only(entry.path)]
+  seen = set()
+  for key, entry in entries:  # two parameters under one name: the file would keep one of them, silently
+    if key in seen:
+      raise ValueError(f"save_hf: two parameters would be written as {key} (the second: {'/'.join(entry.path)}).")
+    seen.add(key)
   tensors = ((key, entry.to_hf(_get(params, entry.path))) for key, entry in entries)
   if vision_from is not None and kind is not None:
     raise ValueError(f"save_hf: vision_from is for architecture={DIFFUSION_GEMMA!r}; a Gemma 4 export writes the "
