@@ -147,6 +147,11 @@ def test_init_from_a_workdir_and_what_it_refuses(gemma4, tmp_path):
 
   bare = tmp_path / "bare"
   shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("tokenizer.*"))
+  exported = tmp_path / "exported"  # what scripts/convert.py copies next to the weights it writes
+  exported.mkdir()
+  assert dg.build.copy_tokenizer(workdir, exported) == exported / "tokenizer.model"
+  assert (exported / "tokenizer.model").read_bytes() == (folder / "tokenizer.model").read_bytes()
+  assert dg.build.copy_tokenizer(bare, exported) is None
   with pytest.raises(ValueError, match=r"init_from='.*bare' has no tokenizer .*--config.data.tokenizer_path=FILE"):
     dg.build.tokenizer(_config(gemma4, **{"model.init_from": str(bare)}), tmp_path / "w")
   with pytest.raises(ValueError, match="name different weights"):
