@@ -112,11 +112,17 @@ def released_layer_types(num_hidden_layers):
 
 @torch.no_grad()
 def _randomize(model, seed, branch_scale=1.0):
-    """Seeded re-draw of all text weights; constants (norms, scales, layer scalars) become U(0.5, 1.5), the
-    norms that end the attention and feed-forward branches then times `branch_scale`."""
-    g = torch.Generator().manual_seed(seed)
     # The decoder owns every text parameter; the encoder's and lm_head are tied to these tensors.
-    for name, p in model.model.decoder.named_parameters():
+    randomize_text(model.model.decoder.named_parameters(), model.model.named_buffers(), seed, branch_scale)
+
+
+@torch.no_grad()
+def randomize_text(parameters, buffers, seed, branch_scale=1.0):
+    """Seeded re-draw of text weights, given as (name, tensor) pairs (a DiffusionGemma's or a Gemma 4's);
+    constants (norms, scales, `layer_scalar` buffers) become U(0.5, 1.5), the norms that end the attention and
+    feed-forward branches then times `branch_scale`."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in parameters:
         if name.endswith("embed_tokens.weight"):
             p.copy_(0.5 * torch.randn(p.shape, generator=g))
         elif p.ndim == 1:  # RMSNorm weights, router.scale, router.per_expert_scale
@@ -127,7 +133,7 @@ def _randomize(model, seed, branch_scale=1.0):
             p.copy_(torch.randn(p.shape, generator=g))
         else:  # nn.Linear [out, in] and experts [E, out, in]
             p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
-    for name, b in model.model.named_buffers():
+    for name, b in buffers:
         if name.endswith("layer_scalar"):  # encoder and decoder each get their own draw
             b.copy_(0.5 + torch.rand(b.shape, generator=g))
 

@@ -220,7 +220,7 @@ def test_convert_script_round_trips_workdir_hf_orbax_hf(checkpoint, tmp_path):
   assert round_trip_config == config
   jax.tree.map(np.testing.assert_array_equal, round_trip, params)
 
-  result = _convert(f"--from_hf={tmp_path / 'hf'}", f"--to_hf={tmp_path / 'bad'}")
-  assert result.returncode != 0 and "--from_hf converts to --to_orbax, not --to_hf" in result.stderr
+  result = _convert(f"--from_workdir={workdir}", f"--to_orbax={tmp_path / 'bad'}")
+  assert result.returncode != 0 and "--from_workdir converts to --to_hf, not --to_orbax" in result.stderr
   result = _convert(f"--from_orbax={tmp_path / 'hf'}", f"--to_hf={tmp_path / 'bad'}")
   assert result.returncode != 0 and "is not an orbax params checkpoint" in result.stderr

@@ -8,6 +8,7 @@ Tolerance 1e-4 in float32.
 
 import dataclasses
 import functools
+import json
 import logging
 
 import flax.linen as nn
@@ -17,6 +18,7 @@ import numpy as np
 import PIL.Image
 import pytest
 import safetensors
+from flax import traverse_util
 
 import diffusiongemma as dg
 from diffusiongemma.data import images
@@ -362,6 +364,51 @@ def test_vision_weights_round_trip_through_save_hf(reference, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, round_trip, params)
   with pytest.raises(ValueError, match="vision_from=.* is for a text-only model"):
     dg.convert.save_hf(cfg, params, tmp_path / "bad", vision_from=path)
+
+
+@pytest.mark.hf
+def test_vision_model_exports_as_gemma4_and_loads_back_with_its_tower(reference, tmp_path):
+  """Issue 38: the encoder of a DiffusionGemma with a vision encoder, written as Gemma4ForConditionalGeneration:
+  transformers' Gemma 4 runs a prompt with an image to our encoder's logits, and read back the vision tower is
+  carried over (every parameter but the denoiser's own equal). Attention both ways over an image means other
+  masks in the two models (Gemma 4: sliding layers only), so it is refused both ways, naming the field; the
+  export is of the same model with images attended causally."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  _, _, _, bidirectional_cfg, params = reference
+  with pytest.raises(ValueError, match="bidirectional_attention=True, which Gemma 4 cannot hold"):
+    dg.convert.save_hf(bidirectional_cfg, params, tmp_path / "bad", architecture="Gemma4ForConditionalGeneration")
+  assert not (tmp_path / "bad").exists()
+  cfg = bidirectional_cfg.replace(vision=dataclasses.replace(bidirectional_cfg.vision, bidirectional_attention=False))
+  dg.convert.save_hf(cfg, params, tmp_path / "g4", architecture="Gemma4ForConditionalGeneration")
+  exported = transformers.Gemma4ForConditionalGeneration.from_pretrained(
+      tmp_path / "g4", dtype=torch.float32, attn_implementation="eager").eval()
+  tokens, pixel_values, position_ids = _prompt(cfg, [3, images.preprocess(_pixels(7, 60, 40), 70,
+                                                                          patch_size=PATCH), 5], seed=70)
+  canvas = np.random.default_rng(8).integers(3, IMAGE, (1, cfg.canvas_length))
+  encoder, _ = _encode_and_denoise(params, np.asarray([tokens]), None, pixel_values, position_ids, canvas, cfg)
+  ids = torch.as_tensor(np.asarray([tokens]), dtype=torch.long)
+  with torch.no_grad():
+    theirs = exported(input_ids=ids, pixel_values=torch.as_tensor(np.asarray(pixel_values), dtype=torch.float32),
+                      image_position_ids=torch.as_tensor(np.asarray(position_ids), dtype=torch.long),
+                      mm_token_type_ids=(ids == cfg.image_id).long()).logits
+  np.testing.assert_allclose(theirs.float().numpy(), encoder, atol=ATOL)
+
+  back_cfg, back = dg.convert.load_hf(tmp_path / "g4")
+  assert back_cfg == cfg.replace(canvas_length=256)
+  flat, back_flat = traverse_util.flatten_dict(params), traverse_util.flatten_dict(back)
+  assert any(key[0] == "vision_tower" for key in back_flat)
+  for key, value in flat.items():
+    if key[0] != "self_conditioning" and key[-1] != "decoder_scalar":
+      np.testing.assert_array_equal(back_flat[key], value, err_msg=str(key))
+
+  config = json.loads((tmp_path / "g4" / "config.json").read_text())
+  config["text_config"]["use_bidirectional_attention"] = "vision"
+  (tmp_path / "g4" / "config.json").write_text(json.dumps(config))
+  with pytest.raises(ValueError, match=r"text_config.use_bidirectional_attention='vision' \(Gemma 4 lets"):
+    dg.convert.load_hf(tmp_path / "g4")
+  text_cfg, _ = dg.convert.load_hf(tmp_path / "g4", vision=None)  # the text model alone is exact
+  assert text_cfg == back_cfg.replace(vision=None)
 
 
 @pytest.mark.hf

@@ -6,6 +6,8 @@ Scripts, notebooks, benchmarks and tests build what they need here; nothing insi
 - `registry`: which config name means which noise, acceptance rule, stopping rule or schedule;
 - `models`: `model_config`, `noise`, `loss`, `sampler`, `ar_sampler` of a config;
 - `tasks`: `train_task(config, workdir)` (a `training.Task`), datasets, the tokenizer; `train`, `evaluate`;
+- `init_from`: what `config.model.init_from` names (a transformers folder or a workdir) as the run's model
+  config, starting weights and tokenizer (`resolve`); `copy_tokenizer` for a folder exported from a workdir;
 - `weights`: `load` (a workdir checkpoint with LoRA merged, a transformers folder, or random weights),
   `pretrained` (a transformers folder with its tokenizer and generation defaults), `chat_sampler`;
 - `plan`: per-device memory plans of a config on a mesh.
@@ -23,6 +25,7 @@ from diffusiongemma.build.models import random_variables
 from diffusiongemma.build.models import sampler
 from diffusiongemma.build.models import sampler_config
 from diffusiongemma.build.evaluation import generative_eval
+from diffusiongemma.build.init_from import copy_tokenizer
 from diffusiongemma.build.tasks import dataset
 from diffusiongemma.build.tasks import evaluate
 from diffusiongemma.build.tasks import lora_config
@@ -37,7 +40,7 @@ from diffusiongemma.build.weights import Weights
 from diffusiongemma.build.weights import workdir_config
 
 __all__ = [
-    "Pretrained", "Weights", "ar_sampler", "chat_sampler", "config", "dataset", "evaluate", "generative_eval", "load",
+    "Pretrained", "Weights", "ar_sampler", "chat_sampler", "config", "copy_tokenizer", "dataset", "evaluate", "generative_eval", "load",
     "lora_config", "loss", "max_new_tokens", "model", "model_config", "noise", "pretrained", "random_variables",
     "registry", "sampler", "sampler_config", "tokenizer", "train", "train_task", "workdir_config",
 ]

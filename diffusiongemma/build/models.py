@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from diffusiongemma.build import init_from
 from diffusiongemma.build import registry
 from diffusiongemma.diffusion import loss as loss_lib
 from diffusiongemma.diffusion import noise as noise_lib
@@ -33,8 +34,10 @@ def _values(section) -> dict[str, Any]:
 
 
 def model_config(config) -> ModelConfig:
-  """`config.model` with the compute dtype of `config.train` (parameters stay in param_dtype) and the
-  noise process of `config.diffusion` (`ModelConfig.noise`, `mask_token_id`)."""
+  """`config.model` (with `init_from`: the weights' own config, `build.init_from`) with the compute dtype of
+  `config.train` (parameters stay in param_dtype) and the noise process of `config.diffusion`
+  (`ModelConfig.noise`, `mask_token_id`)."""
+  config = init_from.resolve(config)
   values = _values(config.model)
   own = {field: values.pop(field) for field in ("noise", "mask_token_id") if field in values}
   cfg = ModelConfig.from_dict(values)

@@ -31,7 +31,9 @@ from diffusiongemma import data as data_lib
 from diffusiongemma import parallel
 from diffusiongemma import training
 from diffusiongemma.build import config as config_lib
+from diffusiongemma.build import init_from
 from diffusiongemma.build import models
+from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.data import sft
 from diffusiongemma.training import lora as lora_lib
 from diffusiongemma.training import optim
@@ -138,15 +140,24 @@ def tokenizer(config, workdir, *, train_if_missing: bool = False):
   trained on the corpus then; only process 0 trains it, the others wait for the file)."""
   if not task_kind(config).needs_tokenizer:
     return None
+  source = init_from.source(config)
+  config = init_from.resolve(config)
+  if source and not config.data.tokenizer_path:  # none given, and the source has none
+    raise ValueError(f"config.model.init_from={source!r} has no tokenizer (tokenizer.json or "
+                     "tokenizer.model): name the one its vocabulary was made with, "
+                     "--config.data.tokenizer_path=FILE (a tokenizer trained here would not match its ids).")
   model_cfg = models.model_config(config)
   mask = models.noise(config).never_token
   vocab_size = int(config.data.vocab_size)
   if mask is not None and not config.data.tokenizer_path:
     vocab_size = min(vocab_size, mask)
   data = config.data.to_dict()
-  load = lambda: data_lib.get_tokenizer(workdir, config.data.tokenizer_path or None,
-                                        corpus_texts_fn=lambda: _corpus_split(data, "train"),
-                                        vocab_size=vocab_size, train_if_missing=train_if_missing)
+  path = config.data.tokenizer_path or None
+  if path is not None and pathlib.Path(path).name == hf_tokenizer.TOKENIZER_JSON:  # a checkpoint's own
+    load = lambda: hf_tokenizer.CheckpointTokenizer(pathlib.Path(path).parent)
+  else:
+    load = lambda: data_lib.get_tokenizer(workdir, path, corpus_texts_fn=lambda: _corpus_split(data, "train"),
+                                          vocab_size=vocab_size, train_if_missing=train_if_missing)
   if config.data.tokenizer_path or not train_if_missing:
     tok = load()
   elif parallel.is_main_process():  # trains workdir/tokenizer.model if missing; the others then read it
@@ -186,7 +197,7 @@ def lora_config(config) -> lora_lib.LoraConfig | None:
   rank = config.train.get("lora_rank", 0)
   if not rank:
     return None
-  if not config.train.get("init_from", ""):
+  if not (config.train.get("init_from", "") or init_from.source(config)):
     raise ValueError(f"config.train.lora_rank={rank} trains adapters on frozen weights: set "
                      "config.train.init_from to a training workdir or a transformers checkpoint folder.")
   return lora_lib.LoraConfig(rank=rank, alpha=config.train.get("lora_alpha", 16.0))
@@ -212,7 +223,10 @@ def _check_batch(config) -> None:
 
 def train_task(config, workdir, *, train_tokenizer: bool = True) -> training.Task:
   """`config` as a `training.Task` for `training.train(task, workdir)`: every section checked first. Its
-  datasets train `workdir/tokenizer.model` if it is missing and `train_tokenizer` (training), else refuse."""
+  datasets train `workdir/tokenizer.model` if it is missing and `train_tokenizer` (training), else refuse.
+  A `config.model.init_from` is resolved first (`build.init_from`): the task and the saved config are the
+  resolved ones."""
+  config = init_from.resolve(config)
   model_cfg = models.model_config(config)
   if model_cfg.quantize != "none":
     raise ValueError(f"config.model.quantize={model_cfg.quantize!r} is for inference: int8 weights get no "

@@ -11,11 +11,13 @@ import ml_collections
 from diffusiongemma import _files
 from diffusiongemma import convert
 from diffusiongemma import training
+from diffusiongemma.build import init_from
 from diffusiongemma.build import models
 from diffusiongemma.build import tasks
 from diffusiongemma.chat import ChatSampler
 from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.model import quantize as quantize_lib
+from diffusiongemma.model import transformer
 from diffusiongemma.sampling import presets
 from diffusiongemma.sampling.pretrained import Pretrained, Weights, load as pretrained  # noqa: F401 (re-exported)
 from diffusiongemma.training import checkpoint
@@ -31,6 +33,7 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
   quantize: 'int8' quantises the matmul weights as they are loaded (`model.quantize`); default
   `config.model.quantize` ('none' without a config).
   """
+  config = None if config is None else init_from.resolve(config)
   if quantize is None:
     quantize = config.model.get("quantize", "none") if config is not None else "none"
   if hf_checkpoint:
@@ -58,7 +61,8 @@ def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
       variables, step = checkpoint.load_params(workdir, shardings=shardings)
       return Weights(cfg, variables, f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}")
     adapters, step = checkpoint.load_params(workdir)
-    base = checkpoint.load_weights(config.train.init_from, shardings=shardings)
+    base = checkpoint.load_weights(config.train.init_from, shardings=shardings,  # as training read it
+                                   expected={"params": transformer.abstract_params(cfg)})
     return Weights(cfg, lora.merge(base, adapters, lora_cfg),
                    f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}: LoRA adapters (rank "
                    f"{lora_cfg.rank}) merged into {config.train.init_from}")

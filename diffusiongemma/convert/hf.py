@@ -1,7 +1,9 @@
-"""Transformers DiffusionGemma checkpoints (config.json + safetensors) <-> `(ModelConfig, params)`.
+"""Transformers checkpoints (config.json + safetensors) <-> `(ModelConfig, params)`: DiffusionGemma folders, and
+Gemma 4 causal LMs read as the DiffusionGemma whose encoder they are (`convert/gemma4.py`).
 
 One table, `_layout`, names every parameter of ours with its checkpoint key and the reshape between the
-torch layout ([out, in] linears, fused expert weights) and ours; loading and saving both read it.
+torch layout ([out, in] linears, fused expert weights) and ours; loading and saving both read it (a Gemma 4
+folder through `gemma4.layout`, the same table under Gemma 4's names).
 
 transformers ties the encoder's and the decoder's weights and saves them once, under `model.decoder.`;
 only the encoder's `layer_scalar` buffers are stored under `model.encoder.language_model.`. For the
@@ -17,7 +19,7 @@ import json
 import math
 import os
 import pathlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from absl import logging
@@ -30,18 +32,21 @@ from safetensors.numpy import save_file
 
 from diffusiongemma import _files
 from diffusiongemma import parallel
+from diffusiongemma.convert import gemma4
 from diffusiongemma.convert import shards
 from diffusiongemma.convert import vision as _vision
+from diffusiongemma.convert.layout import DECODER as _DECODER
+from diffusiongemma.convert.layout import ENCODER as _ENCODER
 from diffusiongemma.convert.layout import _Entry, _identity, _linear, _mlp, _output_projection
 from diffusiongemma.model import quantize
 from diffusiongemma.model import transformer
 from diffusiongemma.model.config import FULL, SLIDING, ModelConfig
 from diffusiongemma.model.transformer import DiffusionGemma
 
-_DECODER = "model.decoder."
-_ENCODER = "model.encoder.language_model."
 _LAYER_TYPES = {"sliding_attention": SLIDING, "full_attention": FULL}
-_SKIPPED_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.", "lm_head.")
+_SKIPPED_PREFIXES = (_vision.TOWER, _vision.EMBED, "lm_head.") + gemma4.VISION_PREFIXES
+DIFFUSION_GEMMA = "DiffusionGemmaForBlockDiffusion"
+_MODEL_TYPES = (None, "diffusion_gemma", "diffusion_gemma_text")  # a DiffusionGemma's (None: not stated)
 
 
 def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
@@ -139,9 +144,31 @@ _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_head
              "begin_image_id": "boi_token_id", "end_image_id": "eoi_token_id"}
 
 
+def _full_layer_config(text: _files.Fields, layer_types: list[str], k_eq_v: bool) -> dict[str, Any]:
+  """The head_dim / num_key_value_heads overrides the full-attention layers share: from `per_layer_config`, or,
+  in a config without one, from `global_head_dim` (default 512) and `num_global_key_value_heads` (read only
+  with k = v), as transformers' configs build it."""
+  full_layers = [i for i, t in enumerate(layer_types) if t == FULL]
+  if text.get("per_layer_config", None) is None:
+    full = {"head_dim": text.integer("global_head_dim", 512)}
+    if k_eq_v and text.get("num_global_key_value_heads", None) is not None:
+      full["num_key_value_heads"] = text.integer("num_global_key_value_heads")
+    return full
+  per_layer = _per_layer_config(text, layer_types)
+  full = per_layer.get(full_layers[0], {}) if full_layers else {}
+  for i in full_layers[1:]:
+    if per_layer.get(i, {}) != full:
+      raise _files.BadFileError(f"{text.source}: full-attention layers must share one shape; per_layer_config[{i}]="
+                                f"{per_layer.get(i)} differs from layer {full_layers[0]}'s {full}.")
+  return full
+
+
 def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "config.json",
                    **overrides) -> ModelConfig:
-  """Our ModelConfig from a transformers DiffusionGemma config.json (its dict, read from `source`).
+  """Our ModelConfig from a transformers config.json (its dict, read from `source`): a DiffusionGemma's, or a
+  Gemma 4 causal LM's (model_type 'gemma4_text', or 'gemma4' for the text and vision parts of a
+  `Gemma4ForConditionalGeneration`), whose features DiffusionGemma lacks are refused by name (`gemma4.check`)
+  and whose missing settings take the released model's values (canvas 256).
 
   Every field is checked for its type and range before it is used (sizes and counts are positive int32s,
   token ids non-negative ones), and the ModelConfig checks how they fit together (one layer type per layer,
@@ -149,18 +176,19 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
   """
   top = _files.Fields(hf_config, source)
   text = top.mapping("text_config") if top.get("text_config", None) is not None else top
+  is_gemma4 = gemma4.model_type(hf_config) is not None
+  if is_gemma4:
+    gemma4.check(top, text)
+  elif top.get("model_type", None) not in _MODEL_TYPES:
+    raise top.error("model_type", f"is {top.values['model_type']!r}; supported: DiffusionGemma "
+                    f"('diffusion_gemma') and Gemma 4 ({', '.join(map(repr, gemma4.MODEL_TYPES))}).")
+  k_eq_v = text.boolean("attention_k_eq_v", False) if is_gemma4 else True  # DiffusionGemma's full layers: k = v
   layer_types = []
   for t in text.strings("layer_types"):
     if t not in _LAYER_TYPES:
       raise text.error("layer_types", f"holds {t!r}; supported: {sorted(_LAYER_TYPES)}.")
     layer_types.append(_LAYER_TYPES[t])
-  per_layer = _per_layer_config(text, layer_types)
-  full_layers = [i for i, t in enumerate(layer_types) if t == FULL]
-  full = per_layer.get(full_layers[0], {}) if full_layers else {}
-  for i in full_layers[1:]:
-    if per_layer.get(i, {}) != full:
-      raise _files.BadFileError(f"{source}: full-attention layers must share one shape; per_layer_config[{i}]="
-                                f"{per_layer.get(i)} differs from layer {full_layers[0]}'s {full}.")
+  full = _full_layer_config(text, layer_types, k_eq_v)
   rope = text.mapping("rope_parameters")
   sliding_rope = rope.mapping("sliding_attention")
   full_rope = rope.mapping("full_attention")
@@ -170,7 +198,8 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
   eos = text.get("eos_token_id", 1)
   eos = eos[0] if isinstance(eos, list) and eos else eos  # several stop ids: the first is the model's eos
   token_id = lambda fields, name, default: fields.integer(name, default, minimum=0)
-  softcap = text.values.get("final_logit_softcapping", 30.0)
+  default_softcap = None if is_gemma4 else 30.0  # Gemma4TextConfig's default; DiffusionGemma fixes 30
+  softcap = text.values.get("final_logit_softcapping", default_softcap)
   values = dict(
       vocab_size=text.integer("vocab_size"),
       hidden_size=text.integer("hidden_size"),
@@ -181,7 +210,7 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
       head_dim=text.integer("head_dim"),
       num_full_kv_heads=full.get("num_key_value_heads", text.integer("num_key_value_heads")),
       full_head_dim=full.get("head_dim", text.integer("head_dim")),
-      full_k_eq_v=True,  # transformers' full layers have no v_proj
+      full_k_eq_v=k_eq_v,
       sliding_window=text.integer("sliding_window"),
       rope_theta=sliding_rope.number("rope_theta", 10_000.0),
       full_rope_theta=full_rope.number("rope_theta", 1_000_000.0),
@@ -191,7 +220,7 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
       top_k=text.integer("top_k_experts"),
       moe_intermediate_size=text.integer("moe_intermediate_size"),
       canvas_length=top.integer("canvas_length", 256),
-      final_logit_softcap=None if softcap is None else text.number("final_logit_softcapping", 30.0),
+      final_logit_softcap=None if softcap is None else text.number("final_logit_softcapping", default_softcap),
       max_positions=text.integer("max_position_embeddings", 131_072),
       rms_norm_eps=text.number("rms_norm_eps", 1e-6),
       pad_id=token_id(text, "pad_token_id", 0),
@@ -200,6 +229,8 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
   )
   values.update(_vision.config_from_hf(top, values["vocab_size"]))
   values.update(overrides)
+  if is_gemma4:
+    gemma4.check_vision(top, text, values["vision"])
   try:
     return ModelConfig(**values)
   except ValueError as e:
@@ -224,13 +255,18 @@ def _checkpoint_shape(entry: _Entry, shapes) -> tuple[int, ...]:
   return entry.to_hf(np.broadcast_to(np.zeros((), np.int8), shape)).shape
 
 
-def _checked_tensors(cfg: ModelConfig, ckpt: shards.Shards, config_file) -> list[tuple[_Entry, str]]:
-  """(entry, checkpoint key) of every parameter of `cfg`, after checking from the shards' headers alone (no
-  tensor read) that each is present, a float, and of the shape `cfg` gives it: a checkpoint that does not fit
-  its config.json fails here, in seconds, with the key, its shard and the expected shape named."""
+def _checked_tensors(cfg: ModelConfig, ckpt: shards.Shards, config_file, entries: Iterable[_Entry]
+                     ) -> list[tuple[_Entry, str | None]]:
+  """(entry, checkpoint key) of every parameter of `cfg` (`entries`: its table under the folder's names), after
+  checking from the shards' headers alone (no tensor read) that each is present, a float, and of the shape
+  `cfg` gives it: a checkpoint that does not fit its config.json fails here, in seconds, with the key, its
+  shard and the expected shape named. An entry without keys (Gemma 4 has no self-conditioning) gets None."""
   shapes = _our_shapes(cfg)
   found = []
-  for entry in _layout(cfg):
+  for entry in entries:
+    if not entry.keys:
+      found.append((entry, None))
+      continue
     key = next((k for k in entry.keys if k in ckpt.weight_map), None)
     if key is None:
       raise KeyError(f"Checkpoint {ckpt.path} has no tensor {' or '.join(entry.keys)} (for {'/'.join(entry.path)}).")
@@ -268,6 +304,8 @@ def _check_memory(cfg: ModelConfig, tensors, ckpt: shards.Shards, dtype, placed:
   scales = quantize.scale_shapes(cfg) if cfg.quantize == "int8" else {}
   sizes = {}
   for entry, key in tensors:
+    if key is None:  # made, not read (a Gemma 4's self-conditioning): small beside the model
+      continue
     shape, stored = ckpt.header(key)
     target = entry.path[:-1] if entry.path[-1] in ("0", "1") else entry.path
     itemsize = 1 if target in scales else (dtype.itemsize if dtype is not None else _ITEMSIZE[stored])
@@ -283,10 +321,37 @@ def _check_memory(cfg: ModelConfig, tensors, ckpt: shards.Shards, dtype, placed:
 
 
 _ITEMSIZE = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+_NUMPY_DTYPES = {"F16": np.float16, "BF16": jnp.bfloat16, "F32": np.float32, "F64": np.float64}
+_HEAD = "lm_head.weight"
+
+
+def _check_head(hf_config: dict[str, Any], ckpt: shards.Shards, tensors, config_file) -> None:
+  """Refuses an untied output head that differs from the embedding: DiffusionGemma's head is its embedding, so
+  loading would silently drop it. transformers ties the head when `tie_word_embeddings` is true (its default),
+  ignoring any stored copy; when false, `lm_head.weight` must be there and equal the embedding (read once
+  each, here, before anything is built)."""
+  if _files.Fields(hf_config, config_file).boolean("tie_word_embeddings", True):
+    return
+  embed = next(key for entry, key in tensors if entry.path == ("embedder", "input_embedding"))
+  if _HEAD not in ckpt.weight_map:
+    raise _files.BadFileError(f"{config_file}: tie_word_embeddings is false, but the checkpoint {ckpt.path} has no "
+                              f"{_HEAD} (an untied output head) to read.")
+  head, table = ckpt.get(_HEAD), ckpt.get(embed)
+  if head.shape != table.shape or not np.array_equal(head, table):
+    difference = (f"max |difference| {np.abs(head.astype(np.float32) - table.astype(np.float32)).max():.3g}"
+                  if head.shape == table.shape else f"shape {list(head.shape)} against {list(table.shape)}")
+    raise _files.BadFileError(
+        f"{config_file}: tie_word_embeddings is false and {ckpt.file(_HEAD)}: {_HEAD} differs from {embed} "
+        f"({difference}): an output head of its own, which DiffusionGemma lacks (its head is the embedding); "
+        "loading this checkpoint would drop it.")
 
 
 def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None, **config_overrides):
-  """Reads a transformers DiffusionGemma checkpoint folder into `(ModelConfig, params)`.
+  """Reads a transformers DiffusionGemma checkpoint folder into `(ModelConfig, params)`; or a Gemma 4 causal LM
+  folder (`Gemma4ForCausalLM`, or the text and vision parts of `Gemma4ForConditionalGeneration`) as the
+  DiffusionGemma whose causal encoder it is, exactly: the denoiser shares its weights, and what Gemma 4 lacks
+  is made as `convert/gemma4.py` says (the denoiser's layer scalars are the encoder's, self-conditioning
+  starts adding nothing); a Gemma 4 feature DiffusionGemma lacks is refused, naming its config.json field.
 
   Tensors are streamed one at a time: each is read once, cast to `dtype` (default: the checkpoint's own)
   and, with `shardings`, placed at once into its sharding (each device receives only its slice), so the
@@ -308,11 +373,19 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   config_file = path / "config.json"
   if not _files.present(config_file):
     raise FileNotFoundError(f"{path} is not a transformers checkpoint folder: no config.json.")
-  cfg = config_from_hf(_files.read_json(config_file), source=config_file, **config_overrides)
+  hf_config = _files.read_json(config_file)
+  cfg = config_from_hf(hf_config, source=config_file, **config_overrides)
+  kind = gemma4.model_type(hf_config)
   dtype = None if dtype is None else np.dtype(jnp.dtype(dtype))
   ckpt = shards.Shards(path)
-  tensors = _checked_tensors(cfg, ckpt, config_file)
+  tensors = _checked_tensors(cfg, ckpt, config_file, _layout(cfg) if kind is None else
+                             gemma4.layout(_layout(cfg), kind))
+  _check_head(hf_config, ckpt, tensors, config_file)
   _check_memory(cfg, tensors, ckpt, dtype, shardings is not None)
+  made = None  # what Gemma 4 lacks, in the dtype of its embedding unless `dtype` says otherwise
+  if any(key is None for _, key in tensors):
+    made = gemma4.fresh_self_conditioning(cfg)
+    made_dtype = _NUMPY_DTYPES[ckpt.header(tensors[0][1])[1]]  # tensors[0]: the embedding
   if callable(shardings):
     shardings = shardings(cfg)
   scales = quantize.scale_shapes(cfg) if cfg.quantize == "int8" else {}
@@ -320,7 +393,7 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   halves: dict[tuple[str, ...], dict[str, np.ndarray]] = {}  # a GeGLU's gate and up, until both are read
   used = {k for entry, _ in tensors for k in entry.keys if k in ckpt.weight_map}  # a tied copy counts as read
   for entry, key in tensors:
-    value = ckpt.get(key)
+    value = ckpt.get(key) if key is not None else entry.to_hf(_get(made, entry.path)).astype(made_dtype)
     if dtype is not None:
       value = value.astype(dtype, copy=False)  # before the layout change, so any copy is the smaller one
     value = entry.to_ours(value)
@@ -388,25 +461,18 @@ _PLACEHOLDER_VISION = dict(model_type="gemma4_vision", hidden_size=16, num_hidde
                            position_embedding_size=32)
 
 
-def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-  """The transformers config.json (a dict) of `cfg`; inverse of `config_from_hf` on the text fields."""
-  if cfg.quantize != "none":
-    raise ValueError(f"This model has quantize={cfg.quantize!r}: transformers' DiffusionGemma has no int8 "
-                     "weights. Export the float weights the int8 ones were made from.")
-  for name, value, want in (("final_logit_softcap", cfg.final_logit_softcap, _HF_SOFTCAP),
-                            ("full_k_eq_v", cfg.full_k_eq_v, True)):
-    if value != want:
-      raise ValueError(f"transformers' DiffusionGemma fixes {name}={want!r}; this model has "
-                       f"{name}={value!r} and cannot be exported faithfully.")
+def _text_config(cfg: ModelConfig) -> dict[str, Any]:
+  """The text config fields DiffusionGemma shares with Gemma 4 (`per_layer_config` keys zero-padded as
+  transformers writes them)."""
   names = {v: k for k, v in _LAYER_TYPES.items()}
   full = {"head_dim": cfg.full_head_dim, "num_key_value_heads": cfg.num_full_kv_heads}
   fulls = [i for i, t in enumerate(cfg.layer_types) if t == FULL]
   width = len(str(max(fulls)))
-  text = dict(
-      model_type="diffusion_gemma_text", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+  return dict(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
       num_hidden_layers=cfg.num_layers, layer_types=[names[t] for t in cfg.layer_types],
       num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-      per_layer_config={str(i).zfill(width): dict(full) for i in fulls},  # zero-padded as transformers does
+      per_layer_config={str(i).zfill(width): dict(full) for i in fulls},
       sliding_window=cfg.sliding_window,
       rope_parameters={
           "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
@@ -416,7 +482,29 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
       moe_intermediate_size=cfg.moe_intermediate_size, max_position_embeddings=cfg.max_positions,
       rms_norm_eps=cfg.rms_norm_eps, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
       pad_token_id=cfg.pad_id, eos_token_id=cfg.eos_id, bos_token_id=cfg.bos_id)
-  hf_config = dict(architectures=["DiffusionGemmaForBlockDiffusion"], model_type="diffusion_gemma",
+
+
+ARCHITECTURES = (DIFFUSION_GEMMA, *gemma4.ARCHITECTURES)
+
+
+def config_to_hf(cfg: ModelConfig, architecture: str = DIFFUSION_GEMMA) -> dict[str, Any]:
+  """The transformers config.json (a dict) of `cfg` as `architecture` (one of `ARCHITECTURES`: the whole
+  DiffusionGemma, or its encoder as a Gemma 4 causal LM); inverse of `config_from_hf` on the text fields."""
+  if architecture not in ARCHITECTURES:
+    raise ValueError(f"Unknown architecture {architecture!r}; supported: {list(ARCHITECTURES)}.")
+  if cfg.quantize != "none":
+    raise ValueError(f"This model has quantize={cfg.quantize!r}: transformers' {architecture} has no int8 "
+                     "weights. Export the float weights the int8 ones were made from.")
+  text = _text_config(cfg)
+  if architecture in gemma4.ARCHITECTURES:
+    return gemma4.config_to_hf(cfg, text, architecture)
+  for name, value, want in (("final_logit_softcap", cfg.final_logit_softcap, _HF_SOFTCAP),
+                            ("full_k_eq_v", cfg.full_k_eq_v, True)):
+    if value != want:
+      raise ValueError(f"transformers' DiffusionGemma fixes {name}={want!r}; this model has "
+                       f"{name}={value!r} and cannot be exported faithfully.")
+  text["model_type"] = "diffusion_gemma_text"
+  hf_config = dict(architectures=[DIFFUSION_GEMMA], model_type="diffusion_gemma",
                    canvas_length=cfg.canvas_length, tie_word_embeddings=True, text_config=text,
                    vision_config=dict(_PLACEHOLDER_VISION), image_token_id=cfg.image_id,
                    boi_token_id=cfg.begin_image_id, eoi_token_id=cfg.end_image_id)
@@ -427,8 +515,12 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | None = None,
-            max_shard_bytes: int = 5 * 2**30, vision_from: os.PathLike | str | None = None) -> None:
-  """Writes `(cfg, params)` as a transformers DiffusionGemma checkpoint folder (`from_pretrained` loads it).
+            max_shard_bytes: int = 5 * 2**30, vision_from: os.PathLike | str | None = None,
+            architecture: str = DIFFUSION_GEMMA) -> None:
+  """Writes `(cfg, params)` as a transformers checkpoint folder (`from_pretrained` loads it): a DiffusionGemma
+  (`architecture='DiffusionGemmaForBlockDiffusion'`), or its causal encoder alone as a Gemma 4 causal LM
+  ('Gemma4ForCausalLM'; 'Gemma4ForConditionalGeneration' keeps a vision encoder), which leaves the denoiser's
+  own parameters (its layer scalars, self-conditioning) behind.
 
   Tensors are fetched to the host one at a time and written in safetensors shards of at most
   `max_shard_bytes` (plus `model.safetensors.index.json` when there are several), so at most one shard
@@ -439,9 +531,19 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
   params = nn.unbox(params)
   params = params.get("params", params) if set(params) == {"params"} else params
   path = pathlib.Path(path)
-  path.mkdir(parents=True, exist_ok=True)
-  hf_config = config_to_hf(cfg)
-  tensors = ((entry.keys[0], entry.to_hf(_get(params, entry.path))) for entry in _layout(cfg))
+  hf_config = config_to_hf(cfg, architecture)
+  kind = gemma4.ARCHITECTURES.get(architecture)
+  entries = [(entry.keys[0] if kind is None else gemma4.rename(entry.keys[0], kind), entry)
+             for entry in _layout(cfg) if kind is None or not gemma4.denoiser_only(entry.path)]
+  seen = set()
+  for key, entry in entries:  # two parameters under one name: the file would keep one of them, silently
+    if key in seen:
+      raise ValueError(f"save_hf: two parameters would be written as {key} (the second: {'/'.join(entry.path)}).")
+    seen.add(key)
+  tensors = ((key, entry.to_hf(_get(params, entry.path))) for key, entry in entries)
+  if vision_from is not None and kind is not None:
+    raise ValueError(f"save_hf: vision_from is for architecture={DIFFUSION_GEMMA!r}; a Gemma 4 export writes the "
+                     "vision encoder of the model itself (load the original with its vision tower).")
   if vision_from is not None and cfg.vision is not None:
     raise ValueError(f"save_hf: vision_from={str(vision_from)!r} is for a text-only model; this one has its own "
                      "vision encoder (cfg.vision), which is written from params.")
@@ -453,6 +555,7 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
     vision = ((k, source.get(k)) for k in sorted(source.weight_map)
               if k.startswith(_SKIPPED_PREFIXES[:2]))
     tensors = itertools.chain(tensors, vision)
+  path.mkdir(parents=True, exist_ok=True)
 
   shard_keys, shard, total_bytes = [], {}, 0  # keys of the shards written so far; the one being filled
 

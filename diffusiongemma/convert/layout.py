@@ -7,6 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+# Where transformers' DiffusionGemma keeps the text weights: the decoder's copy (saved), the encoder's (tied to
+# it, so not saved, except the encoder's own `layer_scalar` buffers).
+DECODER = "model.decoder."
+ENCODER = "model.encoder.language_model."
+
 
 class _Entry:
   """One parameter: our path, checkpoint keys to try, and the layout maps both ways."""

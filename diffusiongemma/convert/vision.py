@@ -18,9 +18,9 @@ from diffusiongemma import _files
 from diffusiongemma.convert.layout import _Entry, _identity, _linear, _mlp, _output_projection
 from diffusiongemma.model.config import VisionConfig
 
-_TOWER = "model.encoder.vision_tower."
-_EMBED = "model.encoder.embed_vision."
-_PREFIXES = (_TOWER, _EMBED)
+TOWER = "model.encoder.vision_tower."
+EMBED = "model.encoder.embed_vision."
+PREFIXES = (TOWER, EMBED)
 _NORMS = (("pre_attention_norm", "input_layernorm"), ("post_attention_norm", "post_attention_layernorm"),
           ("pre_ffw_norm", "pre_feedforward_layernorm"), ("post_ffw_norm", "post_feedforward_layernorm"))
 # (transformers field, required value): what our vision encoder implements.
@@ -31,12 +31,12 @@ def layout(vision: VisionConfig) -> Iterator[_Entry]:
   """Our vision parameter paths (under `vision_tower` and `embed_vision`) and their checkpoint keys."""
   tower = ("vision_tower",)
   linear = _linear()
-  yield _Entry(tower + ("patch_embedder", "input_proj"), (_TOWER + "patch_embedder.input_proj.weight",),
+  yield _Entry(tower + ("patch_embedder", "input_proj"), (TOWER + "patch_embedder.input_proj.weight",),
                *linear)
   yield _Entry(tower + ("patch_embedder", "position_embedding_table"),
-               (_TOWER + "patch_embedder.position_embedding_table",), _identity, _identity)
+               (TOWER + "patch_embedder.position_embedding_table",), _identity, _identity)
   for i in range(vision.num_layers):
-    prefix = f"{_TOWER}encoder.layers.{i}."
+    prefix = f"{TOWER}encoder.layers.{i}."
     ours = tower + (f"layer_{i}",)
     attn = ours + ("attn",)
     for name, heads in (("q", vision.num_heads), ("k", vision.num_kv_heads), ("v", vision.num_kv_heads)):
@@ -52,8 +52,8 @@ def layout(vision: VisionConfig) -> Iterator[_Entry]:
     yield from _mlp(ours + ("mlp",), lambda name: (prefix + "mlp." + name.replace(".weight", ".linear.weight"),))
   if vision.standardize:
     for name in ("std_bias", "std_scale"):
-      yield _Entry(tower + (name,), (_TOWER + name,), _identity, _identity)
-  yield _Entry(("embed_vision", "embedding_projection"), (_EMBED + "embedding_projection.weight",), *linear)
+      yield _Entry(tower + (name,), (TOWER + name,), _identity, _identity)
+  yield _Entry(("embed_vision", "embedding_projection"), (EMBED + "embedding_projection.weight",), *linear)
 
 
 def config_from_hf(hf_config: _files.Fields, vocab_size: int) -> dict[str, Any]:

@@ -130,6 +130,15 @@ class CheckpointTokenizer:
   def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
     return self._backend.decode([int(i) for i in ids], skip_special_tokens)
 
+  def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
+    """`encode` of each text (what the training pipelines call, as on the sentencepiece `Tokenizer`)."""
+    return [self.encode(text) for text in texts]
+
+  @property
+  def serialized(self) -> bytes:
+    """The tokenizer file's bytes: what identifies it (the pipelines' token caches are keyed by them)."""
+    return _files.read_bytes(self.path, _files.TOKENIZER_MAX_BYTES)
+
   def __repr__(self):
     return f"CheckpointTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 

@@ -197,7 +197,10 @@ def load_weights(source: os.PathLike | str, *, shardings=None, expected=None) ->
   if _files.present(path / "config.json") and any(path.glob("*.safetensors")):
     cfg = convert.config_from_hf(_files.read_json(path / "config.json"), source=path / "config.json")
     _check_fits({"params": transformer.abstract_params(cfg)}, expected, source)
-    _, params = convert.load_hf(path, shardings=None if shardings is None else shardings["params"])
+    # In the dtype of the parameters they start (e.g. float32 master weights from a bfloat16 checkpoint).
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(expected)} if expected is not None else set()
+    _, params = convert.load_hf(path, shardings=None if shardings is None else shardings["params"],
+                                dtype=dtypes.pop() if len(dtypes) == 1 else None)
     return {"params": params}
   raise FileNotFoundError(f"config.train.init_from={str(source)!r} is neither a training workdir with "
                           "checkpoints nor a transformers checkpoint folder (config.json + *.safetensors).")
