@@ -74,7 +74,7 @@ def test_sharded_forward_equals_one_device():
 
 @pytest.mark.slow
 def test_sharded_train_step_equals_one_device():
-  """configs/tiny.py, batch 8: loss, gradients and update on (2,2,2,1) and (1,2,4,1) == one device."""
+  """configs/tiny.py (2 layers), batch 8: loss, gradients and update on (2,2,2,1) and (1,2,4,1) == one device."""
   _run_on_8_devices("train")
 
 
