@@ -68,8 +68,7 @@ def _alternated(calls: dict, repeats: int) -> dict:
   return {name: (best[name], outputs[name]) for name in calls}
 
 
-def sudoku_runs(batch_sizes, repeats) -> list[dict]:
-  config, variables, provenance = sudoku_weights.load(sudoku_weights.DIFFUSION)
+def sudoku_runs(config, variables, provenance, batch_sizes, repeats) -> list[dict]:
   puzzles, _ = sudoku.generate_many(_PUZZLES.value, (36, 37, 38, 39, 40), seed=0, split="validation")
   out = []
   for b in batch_sizes:
@@ -83,8 +82,7 @@ def sudoku_runs(batch_sizes, repeats) -> list[dict]:
   return out
 
 
-def text_runs(batch_sizes, repeats) -> list[dict]:
-  run = runs.load(_TEXT_WORKDIR.value)
+def text_runs(run: runs.TextModel, batch_sizes, repeats) -> list[dict]:
   prompts = runs.read_prompts(_PROMPTS.value, run.tokenizer, limit=_NUM_PROMPTS.value)
   out = []
   for b in batch_sizes:
@@ -128,10 +126,11 @@ def main(argv):
       raise SystemExit(f"Refusing to time. {message} Pass --allow_load to run anyway.")
     warnings.append(message)
   repeats = _REPEATS.value
-  result = {"sudoku": sudoku_runs([int(b) for b in _SUDOKU_BATCHES.value], repeats),
-            "text": text_runs([int(b) for b in _TEXT_BATCHES.value], repeats)}
-  sudoku_config, sudoku_variables, _ = sudoku_weights.load(sudoku_weights.DIFFUSION)
+  sudoku_config, sudoku_variables, provenance = sudoku_weights.load(sudoku_weights.DIFFUSION)
   run = runs.load(_TEXT_WORKDIR.value)
+  result = {"sudoku": sudoku_runs(sudoku_config, sudoku_variables, provenance,
+                                  [int(b) for b in _SUDOKU_BATCHES.value], repeats),
+            "text": text_runs(run, [int(b) for b in _TEXT_BATCHES.value], repeats)}
   result["pass_cost"] = {"sudoku": pass_cost(build.sampler(sudoku_config), sudoku_variables, 82),
                          "text": pass_cost(run.sampler(), run.variables, 64)}
   for name in ("sudoku", "text"):

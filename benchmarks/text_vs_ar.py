@@ -55,6 +55,8 @@ _ALLOW_LOAD = flags.DEFINE_bool("allow_load", False, "Time on a loaded machine a
 _DECODER = flags.DEFINE_enum("decoder", "sampler", ["sampler", "speculative"], "The diffusion side: the "
                               "block-diffusion sampler, or self-speculative decoding (the denoiser drafts, the "
                               "encoder checks: AR greedy's text; each denoiser pass comes with an encoder pass).")
+_DRAFT = flags.DEFINE_integer("draft_length", 0, "--decoder=speculative: positions drafted per pass (0: the "
+                              "canvas).")
 _SAMPLER = flags.DEFINE_multi_string("sampler", [], "config.sampler overrides, key=value (e.g. "
                                      "confidence_accept=0.8).")
 
@@ -96,7 +98,9 @@ def main(argv):
   if speculative and _SAMPLER.value:
     raise app.UsageError(f"--sampler={_SAMPLER.value} sets the block-diffusion sampler; --decoder=speculative "
                          "does not use it.")
-  spec = run.speculative_sampler() if speculative else None
+  if _DRAFT.value and not speculative:
+    raise app.UsageError(f"--draft_length={_DRAFT.value} is for --decoder=speculative.")
+  spec = run.speculative_sampler(draft_length=_DRAFT.value or None) if speculative else None
 
   def decode(prompts_, batch_size):
     if speculative:
@@ -110,7 +114,8 @@ def main(argv):
                          "batch_sizes": [int(b) for b in _BATCH_SIZES.value], "repeats": _REPEATS.value,
                          "timing_prompts": _TIMING_PROMPTS.value, "quality_batch_size": _QUALITY_BATCH.value,
                          "decoder": _DECODER.value,
-                         "sampler": ({"mask_id": spec.mask_id, "stop_tokens": list(spec.stop_tokens)}
+                         "sampler": ({"mask_id": spec.mask_id, "stop_tokens": list(spec.stop_tokens),
+                                      "draft_length": spec.width}
                                      if speculative else sampler.settings()),
                          "ar": {"decoding": "greedy", "kv_cache": True, "stop_tokens": list(ar.stop_tokens),
                                 "prompt_bucket": ar.prompt_bucket}},

@@ -618,23 +618,30 @@ class _Drafter(dg.DiffusionGemma):
     return 10.0 * jax.nn.one_hot(jnp.stack(tokens, 1), self.config.vocab_size)
 
 
-@pytest.mark.parametrize("drafter", [None, 99, 3], ids=["random denoiser", "all right", "2 right"])
-def test_self_speculative_decoding_writes_ar_greedy(model, params, ar_sampler, drafter):
+@pytest.mark.parametrize("drafter,draft_length", [(None, None), (99, None), (3, None), (99, 3)],
+                         ids=["random denoiser", "all right", "2 right", "all right, blocks of 3"])
+def test_self_speculative_decoding_writes_ar_greedy(model, params, ar_sampler, drafter, draft_length):
   """Whatever the denoiser drafts, the text is AR greedy's; an iteration commits the next token and the
-  drafts that agree with the encoder from the left (all 7 or 2), so its passes follow."""
+  drafts that agree with the encoder from the left (all 7, 2, or both of a 3-position draft), so its passes
+  follow."""
   prompts, lengths = _prompts(21, lengths=(5, 3, 4)), np.array([5, 3, 4])
   want = ar_sampler.generate(params, prompts, jax.random.key(0), NEW, prompt_lengths=lengths, temperature=0.0)
   drafting = model if drafter is None else _Drafter(TINY, wrong_from=drafter)
-  got = speculative.SelfSpeculativeSampler(drafting, mask_id=TINY.vocab_size - 1, stop_tokens=STOP).generate(
-      params, prompts, NEW, prompt_lengths=lengths)
+  got = speculative.SelfSpeculativeSampler(drafting, mask_id=TINY.vocab_size - 1, stop_tokens=STOP,
+                                          draft_length=draft_length).generate(params, prompts, NEW,
+                                                                              prompt_lengths=lengths)
   for row, tokens in enumerate(np.asarray(want.tokens)):
     stops = np.flatnonzero(np.isin(tokens, STOP))
     n = stops[0] + 1 if stops.size else NEW  # new tokens up to and including the stop
     np.testing.assert_array_equal(np.asarray(got.tokens)[row, :n], tokens[:n])
     if drafter is not None:
-      assert int(got.num_denoiser_passes[row]) == -(-n // min(drafter, TINY.canvas_length)), (row, n)
+      width = draft_length or TINY.canvas_length
+      assert int(got.num_denoiser_passes[row]) == -(-n // min(drafter, width)), (row, n)
   with pytest.raises(ValueError, match=r"mask_id=61 is invalid; expected a token id in \[0, 61\)"):
     speculative.SelfSpeculativeSampler(model, mask_id=61)
+  with pytest.raises(ValueError, match=r"draft_length=1 is invalid; expected None \(the canvas\) or an int in "
+                                       r"\[2, canvas_length=8\]"):
+    speculative.SelfSpeculativeSampler(model, mask_id=0, draft_length=1)
   spec = speculative.SelfSpeculativeSampler(model, mask_id=TINY.vocab_size - 1)
   with pytest.raises(ValueError, match=r"prompt_lengths=\[5, 0, 4\] is invalid; expected 3 ints in \[1, 5\]"):
     spec.generate(params, prompts, NEW, prompt_lengths=[5, 0, 4])

@@ -38,13 +38,23 @@ class SelfSpeculativeSampler:
   model: nn.Module
   mask_id: int
   stop_tokens: tuple[int, ...] | None = None  # None: the model's eos
+  draft_length: int | None = None  # positions drafted per pass, the known one included (None: the canvas)
 
   def __post_init__(self):
     cfg = self.model.config
+    if self.draft_length is not None and (isinstance(self.draft_length, bool) or not isinstance(
+        self.draft_length, int) or not 2 <= self.draft_length <= cfg.canvas_length):
+      raise ValueError(f"SelfSpeculativeSampler.draft_length={self.draft_length!r} is invalid; expected None (the "
+                       f"canvas) or an int in [2, canvas_length={cfg.canvas_length}].")
     if isinstance(self.mask_id, bool) or not isinstance(self.mask_id, int) or not 0 <= self.mask_id < cfg.vocab_size:
       raise ValueError(f"SelfSpeculativeSampler.mask_id={self.mask_id!r} is invalid; expected a token id in "
                        f"[0, {cfg.vocab_size}) (the masked-noise token of the model's training).")
     object.__setattr__(self, "stop_tokens", prompts_lib.check_stop_tokens(self.stop_tokens, cfg))
+
+  @property
+  def width(self) -> int:
+    """Positions of a drafted block (the next token, known, and the drafts after it)."""
+    return self.draft_length or self.model.config.canvas_length
 
   def generate(self, params, prompt_tokens, max_new_tokens: int, prompt_lengths=None) -> SpeculativeOutput:
     """`params`: a parameter tree or `{'params': ...}`; `prompt_lengths` [B]: each row's prompt length
@@ -60,7 +70,7 @@ class SelfSpeculativeSampler:
         (lengths >= 1) & (lengths <= width)).all():
       raise ValueError(f"prompt_lengths={lengths.tolist()} is invalid; expected {b} ints in [1, {width}] (each "
                        "row's prompt length, the rest of the row padding).")
-    needed = width + max_new_tokens + self.model.config.canvas_length
+    needed = width + max_new_tokens + self.width
     if needed > self.model.config.max_positions:
       raise ValueError(f"A prompt of {width} positions and max_new_tokens={max_new_tokens} need {needed} "
                        f"positions with a drafted canvas; the model has max_positions="
@@ -73,7 +83,7 @@ class SelfSpeculativeSampler:
 def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, *, max_new_tokens: int
              ) -> SpeculativeOutput:
   model, cfg = sampler.model, sampler.model.config
-  b, c = tokens.shape[0], cfg.canvas_length
+  b, c = tokens.shape[0], sampler.width
   rows = jnp.arange(b)
   cache = KVCache.empty(cfg, b, tokens.shape[1] + max_new_tokens + c)
   logits, cache = model.apply(variables, tokens, cache, num_tokens=lengths, method=model.encode)

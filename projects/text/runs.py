@@ -56,11 +56,12 @@ class TextModel:
     return dg.ARSampler(sampler.model, stop_tokens=sampler.stop_tokens,
                         prompt_bucket=sampler.config.prompt_bucket)
 
-  def speculative_sampler(self) -> speculative_lib.SelfSpeculativeSampler:
-    """Self-speculative decoding of the same weights (AR greedy's text; the denoiser drafts)."""
+  def speculative_sampler(self, draft_length: int | None = None) -> speculative_lib.SelfSpeculativeSampler:
+    """Self-speculative decoding of the same weights (AR greedy's text; the denoiser drafts `draft_length`
+    positions a pass, default its canvas)."""
     sampler = self.sampler()
     return speculative_lib.SelfSpeculativeSampler(sampler.model, build.noise(self.config).mask_token_id,
-                                                  stop_tokens=sampler.stop_tokens)
+                                                  stop_tokens=sampler.stop_tokens, draft_length=draft_length)
 
   def judge(self) -> generative.Judge:
     return generative.Judge("self", self.model, self.variables)
@@ -153,9 +154,10 @@ def distinct_ngrams(continuations: Sequence[Sequence[int]], n: int = 4) -> float
   return float(np.mean(ratios)) if ratios else float("nan")
 
 
-def quality(run: TextModel, prompts, continuations) -> dict[str, float]:
-  """Judged perplexity, distinct 4-grams, new tokens and mean length of `continuations`."""
-  nll, count = generative.continuation_nll(run.judge(), prompts, continuations)
+def quality(run: TextModel, prompts, continuations, judge: generative.Judge | None = None) -> dict[str, float]:
+  """Judged perplexity (by `judge`, default the run's own AR mode), distinct 4-grams, new tokens and mean
+  length of `continuations`."""
+  nll, count = generative.continuation_nll(judge or run.judge(), prompts, continuations)
   return {"judged_perplexity": float(np.exp(min(nll.sum() / max(count.sum(), 1), 700.0))),
           "judged_nll_per_token": float(nll.sum() / max(count.sum(), 1)),
           "distinct_4gram": distinct_ngrams(continuations), "new_tokens": int(sum(map(len, continuations))),
