@@ -27,7 +27,10 @@ import asyncio
 import collections
 import itertools
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import time
 
 from absl import app
@@ -219,10 +222,22 @@ async def _main() -> dict:
     return report
 
 
+def _git_commit() -> str | None:
+  try:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=pathlib.Path(__file__).resolve().parent,
+                          capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  load_before = list(os.getloadavg())
   report = asyncio.run(_main())
+  report["provenance"] = {"command": " ".join(sys.argv), "load_average_before": load_before,
+                          "load_average_after": list(os.getloadavg()), "cpu_count": os.cpu_count(),
+                          "git_commit": _git_commit()}
   text = json.dumps(report, indent=2)
   print(text)
   if _OUTPUT.value:
