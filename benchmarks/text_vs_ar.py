@@ -115,7 +115,7 @@ def main(argv):
                          "timing_prompts": _TIMING_PROMPTS.value, "quality_batch_size": _QUALITY_BATCH.value,
                          "decoder": _DECODER.value,
                          "sampler": ({"mask_id": spec.mask_id, "stop_tokens": list(spec.stop_tokens),
-                                      "draft_length": spec.width}
+                                      "draft_length": spec.block_length}
                                      if speculative else sampler.settings()),
                          "ar": {"decoding": "greedy", "kv_cache": True, "stop_tokens": list(ar.stop_tokens),
                                 "prompt_bucket": ar.prompt_bucket}},

@@ -52,7 +52,7 @@ class SelfSpeculativeSampler:
     object.__setattr__(self, "stop_tokens", prompts_lib.check_stop_tokens(self.stop_tokens, cfg))
 
   @property
-  def width(self) -> int:
+  def block_length(self) -> int:
     """Positions of a drafted block (the next token, known, and the drafts after it)."""
     return self.draft_length or self.model.config.canvas_length
 
@@ -70,7 +70,7 @@ class SelfSpeculativeSampler:
         (lengths >= 1) & (lengths <= width)).all():
       raise ValueError(f"prompt_lengths={lengths.tolist()} is invalid; expected {b} ints in [1, {width}] (each "
                        "row's prompt length, the rest of the row padding).")
-    needed = width + max_new_tokens + self.width
+    needed = width + max_new_tokens + self.block_length
     if needed > self.model.config.max_positions:
       raise ValueError(f"A prompt of {width} positions and max_new_tokens={max_new_tokens} need {needed} "
                        f"positions with a drafted canvas; the model has max_positions="
@@ -83,7 +83,7 @@ class SelfSpeculativeSampler:
 def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, *, max_new_tokens: int
              ) -> SpeculativeOutput:
   model, cfg = sampler.model, sampler.model.config
-  b, c = tokens.shape[0], sampler.width
+  b, c = tokens.shape[0], sampler.block_length
   rows = jnp.arange(b)
   cache = KVCache.empty(cfg, b, tokens.shape[1] + max_new_tokens + c)
   logits, cache = model.apply(variables, tokens, cache, num_tokens=lengths, method=model.encode)
