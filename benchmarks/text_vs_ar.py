@@ -1,4 +1,7 @@
-r"""Text from the same weights two ways: block diffusion against AR greedy decoding with the KV cache.
+r"""Text from the same weights two ways: the denoiser's decoding against AR greedy decoding with the KV cache.
+The denoiser side is the shipped setting by default (`--decoder=speculative`: the denoiser drafts 16-token
+blocks, the encoder checks them, so the text is AR greedy's), or the block-diffusion sampler
+(`--decoder=sampler`, `config.sampler` with `--sampler` overrides).
 
 On held-out prompts (`--prompts`, one `{"prompt": text}` per line), each cut to its last
 `--max_prompt_tokens` tokens, with `--max_new_tokens` new tokens:
@@ -14,7 +17,7 @@ before and after, a float32 matmul peak measured in the run, every sampler setti
 
   python -m benchmarks.text_vs_ar --prompts=projects/text/prompts/validation.jsonl --output=results/text_validation.json
   python -m benchmarks.text_vs_ar --prompts=P --output=O --workdir=W      # a training run instead
-  python -m benchmarks.text_vs_ar --prompts=P --output=O --decoder=speculative   # the denoiser drafts, AR checks
+  python -m benchmarks.text_vs_ar --prompts=P --output=O --decoder=sampler   # block diffusion, left to right
 
 JSON: weights, prompts, settings (max_new_tokens, max_prompt_tokens, batch sizes, repeats, decoder, sampler =
 every setting, ar = the AR decoder's), machine (`measure.provenance`, matmul_peak_gflops, load_average_after,
@@ -52,9 +55,10 @@ _TIMING_PROMPTS = flags.DEFINE_integer("timing_prompts", 16, "Prompts per timed 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed calls of each decoder (alternated).")
 _MAX_LOAD = flags.DEFINE_float("max_load", 0.5, "Refuse to time above this 1-minute load average.")
 _ALLOW_LOAD = flags.DEFINE_bool("allow_load", False, "Time on a loaded machine anyway (warned in the JSON).")
-_DECODER = flags.DEFINE_enum("decoder", "sampler", ["sampler", "speculative"], "The diffusion side: the "
-                              "block-diffusion sampler, or self-speculative decoding (the denoiser drafts, the "
-                              "encoder checks: AR greedy's text; each denoiser pass comes with an encoder pass).")
+_DECODER = flags.DEFINE_enum("decoder", "speculative", ["speculative", "sampler"], "The diffusion side: "
+                              "self-speculative decoding (the shipped setting: the denoiser drafts, the encoder "
+                              "checks, so the text is AR greedy's; each denoiser pass comes with an encoder pass), "
+                              "or the block-diffusion sampler.")
 _DRAFT = flags.DEFINE_integer("draft_length", 0, "--decoder=speculative: positions drafted per pass (0: the "
                               "canvas).")
 _SAMPLER = flags.DEFINE_multi_string("sampler", [], "config.sampler overrides, key=value (e.g. "

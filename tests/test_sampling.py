@@ -315,7 +315,7 @@ def test_on_pass_events_reach_only_their_own_listener(params, sampler):
   prompts, keys = _prompts(9), _keys(4, 5, 6)
   plain = sampler.generate(params, prompts, keys, max_new_tokens=NEW)
   others, own = {"before": [], "during": []}, []
-  registry = sampler_lib._LISTENERS  # pylint: disable=protected-access
+  registry = sampler_lib.LISTENERS
   with contextlib.ExitStack() as stack:
     stack.enter_context(registry.registered(others["before"].append))
 
@@ -637,15 +637,29 @@ def test_self_speculative_decoding_writes_ar_greedy(model, params, ar_sampler, d
     if drafter is not None:
       width = draft_length or TINY.canvas_length
       assert int(got.num_denoiser_passes[row]) == -(-n // min(drafter, width)), (row, n)
+  if drafter == 3:  # streamed, ragged prompts padded to a bucket: the same tokens, one event per iteration,
+    events = []     # each committing a left prefix
+    streamed = speculative.SelfSpeculativeSampler(drafting, mask_id=TINY.vocab_size - 1, stop_tokens=STOP,
+                                                  prompt_bucket=8).generate(
+        params, [list(p[:n]) for p, n in zip(prompts, lengths)], NEW, on_pass=events.append)
+    np.testing.assert_array_equal(streamed.tokens, got.tokens)
+    assert [e.canvas_index for e in events] == list(range(len(events)))
+    np.testing.assert_array_equal(sum(e.active.astype(int) for e in events), got.num_denoiser_passes)
+    for e in events:
+      np.testing.assert_array_equal(e.accepted[e.active].sum(1), 3)  # the known token and 2 right drafts
+      np.testing.assert_array_equal(e.canvas[e.active, 0], np.asarray(got.tokens)[e.active, 3 * e.canvas_index])
   with pytest.raises(ValueError, match=r"mask_id=61 is invalid; expected a token id in \[0, 61\)"):
     speculative.SelfSpeculativeSampler(model, mask_id=61)
   with pytest.raises(ValueError, match=r"draft_length=1 is invalid; expected None \(the canvas\) or an int in "
                                        r"\[2, canvas_length=8\]"):
     speculative.SelfSpeculativeSampler(model, mask_id=0, draft_length=1)
+  with pytest.raises(ValueError, match=r"prompt_bucket=0 is invalid; expected a positive int"):
+    speculative.SelfSpeculativeSampler(model, mask_id=0, prompt_bucket=0)
   spec = speculative.SelfSpeculativeSampler(model, mask_id=TINY.vocab_size - 1)
-  with pytest.raises(ValueError, match=r"prompt_lengths=\[5, 0, 4\] is invalid; expected 3 ints in \[1, 5\]"):
+  with pytest.raises(ValueError, match=r"Empty prompt: prompt_lengths=\[5, 0, 4\] has rows of length < 1"):
     spec.generate(params, prompts, NEW, prompt_lengths=[5, 0, 4])
-  with pytest.raises(ValueError, match="need 69 positions with a drafted canvas; the model has max_positions=64"):
+  with pytest.raises(ValueError, match=r"5 prompt tokens \(cached included\) \+ 64 new positions exceed the "
+                                       "model's max_positions=64"):
     spec.generate(params, prompts, 56)
 
 

@@ -9,11 +9,13 @@ import sys
 import sysconfig
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import diffusiongemma as dg
 from diffusiongemma import build
+from diffusiongemma.build import release
 from diffusiongemma.build.config import load_config_file
 from projects.text import runs
 from projects.text import task as task_lib
@@ -111,7 +113,18 @@ def test_distilled_run_decodes_and_the_benchmark_writes_every_field(tiny_recipe,
     assert side["judged_perplexity"] > 1 and 0 <= side["distinct_4gram"] <= 1
     assert set(side["tokens_per_second"]) == {"1", "8"} and all(v > 0 for v in side["tokens_per_second"].values())
   assert len(result["machine"]["load_average"]) == 3 and result["machine"]["git_commit"]
-  assert result["settings"]["sampler"]["draw"] == "argmax" and result["settings"]["max_new_tokens"] == 16
+  assert result["settings"]["decoder"] == "speculative" and result["settings"]["sampler"]["draft_length"] == 8
+  assert result["settings"]["max_new_tokens"] == 16 and d["judged_perplexity"] == a["judged_perplexity"]
+  # Shipped as the text weights are: bf16 parameters, the tokenizer its config names (the run has none).
+  pre = tiny_recipe[0]
+  assert not (distilled / release.TOKENIZER).exists()
+  folder = release.save(distilled, tmp_path / "shipped", {"command": "test"}, storage_dtype="bfloat16")
+  _, variables, provenance = release.load(folder)
+  assert (folder / release.TOKENIZER).read_bytes() == (pre / "tokenizer.model").read_bytes()
+  assert provenance == {"step": 4, "storage_dtype": "bfloat16", "command": "test"}
+  trained = build.load(build.workdir_config(distilled), workdir=distilled).variables
+  jax.tree.map(lambda got, want: np.testing.assert_array_equal(
+      got, np.asarray(want).astype(jnp.bfloat16).astype(np.float32)), variables, trained)
   (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"text": "no prompt"}\n')
   with pytest.raises(subprocess.CalledProcessError) as error:
     _run("-m", "benchmarks.text_vs_ar", f"--workdir={distilled}", f"--prompts={tmp_path / 'bad.jsonl'}",
@@ -127,3 +140,14 @@ def test_the_text_config_builds_every_variant(tmp_path):
   with pytest.raises(ValueError, match="config.data.distil.teacher is empty"):
     config = load_config_file(CONFIG, "tiny_distil")
     next(iter(build.train_task(config, tmp_path).datasets("train")))
+
+
+def test_the_shipped_weights_write_ar_greedy_text_at_over_4_tokens_per_denoiser_pass():
+  """projects/text/weights/distilled, self-speculative at its shipped setting (16-token drafts) on the
+  64 validation prompts in one batch: >= 4 new tokens per denoiser pass (the text is AR greedy's by
+  construction, which tests/test_sampling.py checks on a tiny model)."""
+  run = runs.load()
+  assert "shipped distilled text weights" in run.source
+  prompts = runs.read_prompts(runs.PROMPTS / "validation.jsonl", run.tokenizer)
+  continuations, passes = runs.speculative(run.speculative_sampler(), run.variables, prompts, 128, 64)
+  assert sum(map(len, continuations)) / passes.sum() >= 4.0, passes

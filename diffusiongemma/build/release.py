@@ -47,7 +47,8 @@ def _unflatten(flat) -> dict:
 
 
 def save(workdir, folder, provenance: dict, *, storage_dtype: str = "float32") -> pathlib.Path:
-  """The latest checkpoint of `workdir` as the shipped folder `folder` (and its tokenizer, if it has one)."""
+  """The latest checkpoint of `workdir` as the shipped folder `folder`, with its tokenizer (the workdir's,
+  else the file its config's `data.tokenizer_path` names, if either exists)."""
   if storage_dtype not in STORAGE_DTYPES:
     raise ValueError(f"storage_dtype={storage_dtype!r} is invalid; expected one of {STORAGE_DTYPES}.")
   variables, step = checkpoint.load_params(workdir)
@@ -58,9 +59,13 @@ def save(workdir, folder, provenance: dict, *, storage_dtype: str = "float32") -
     flat = {k: v.astype(jax.numpy.bfloat16) for k, v in flat.items()}
   safetensors.numpy.save_file(flat, folder / "params.safetensors")
   workdir = pathlib.Path(workdir)
-  (folder / "config.json").write_text((workdir / checkpoint.CONFIG_FILENAME).read_text())
-  if (workdir / TOKENIZER).is_file():
-    shutil.copyfile(workdir / TOKENIZER, folder / TOKENIZER)
+  config_text = (workdir / checkpoint.CONFIG_FILENAME).read_text()
+  (folder / "config.json").write_text(config_text)
+  tokenizer = workdir / TOKENIZER  # the run's own, else the one its config names (e.g. a fine-tune's)
+  if not tokenizer.is_file():
+    tokenizer = pathlib.Path(json.loads(config_text).get("data", {}).get("tokenizer_path") or workdir / TOKENIZER)
+  if tokenizer.is_file():
+    shutil.copyfile(tokenizer, folder / TOKENIZER)
   record = {"step": step, "storage_dtype": storage_dtype, **provenance}
   (folder / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
   return folder

@@ -122,7 +122,7 @@ class _Listeners:
                                                                            active, done))))
 
 
-_LISTENERS = _Listeners()
+LISTENERS = _Listeners()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +339,7 @@ class Sampler:
       return None
     if on_pass is None:
       return run(jnp.zeros((), jnp.int32))
-    with _LISTENERS.registered(on_pass) as key:
+    with LISTENERS.registered(on_pass) as key:
       out = run(jnp.asarray(key, jnp.int32))
       jax.block_until_ready(out)
       jax.effects_barrier()  # every pass has reached the listener before it is removed
@@ -446,7 +446,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
     emit = None
     if stream:
       emit = lambda before, after: jax.debug.callback(
-          _LISTENERS.emit, listener, k, before.step, after.argmax, after.canvas, after.accepted, after.fixed,
+          LISTENERS.emit, listener, k, before.step, after.argmax, after.canvas, after.accepted, after.fixed,
           ~before.done, after.done, ordered=True)
     state, step_trace = steps.denoise_canvas(rules, denoiser, state, step_keys, return_trace, emit, first_hidden)
     committed = state.argmax  # [B, C]

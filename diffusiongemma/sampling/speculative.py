@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from diffusiongemma.model.attention import KVCache
 from diffusiongemma.sampling import prompts as prompts_lib
+from diffusiongemma.sampling import sampler as sampler_lib
 
 
 @flax.struct.dataclass
@@ -39,6 +40,7 @@ class SelfSpeculativeSampler:
   mask_id: int
   stop_tokens: tuple[int, ...] | None = None  # None: the model's eos
   draft_length: int | None = None  # positions drafted per pass, the known one included (None: the canvas)
+  prompt_bucket: int = 64  # prompts padded to a multiple of this: one program per bucket, not per width
 
   def __post_init__(self):
     cfg = self.model.config
@@ -49,6 +51,9 @@ class SelfSpeculativeSampler:
     if isinstance(self.mask_id, bool) or not isinstance(self.mask_id, int) or not 0 <= self.mask_id < cfg.vocab_size:
       raise ValueError(f"SelfSpeculativeSampler.mask_id={self.mask_id!r} is invalid; expected a token id in "
                        f"[0, {cfg.vocab_size}) (the masked-noise token of the model's training).")
+    if isinstance(self.prompt_bucket, bool) or not isinstance(self.prompt_bucket, int) or self.prompt_bucket < 1:
+      raise ValueError(f"SelfSpeculativeSampler.prompt_bucket={self.prompt_bucket!r} is invalid; expected a "
+                       "positive int.")
     object.__setattr__(self, "stop_tokens", prompts_lib.check_stop_tokens(self.stop_tokens, cfg))
 
   @property
@@ -56,32 +61,32 @@ class SelfSpeculativeSampler:
     """Positions of a drafted block (the next token, known, and the drafts after it)."""
     return self.draft_length or self.model.config.canvas_length
 
-  def generate(self, params, prompt_tokens, max_new_tokens: int, prompt_lengths=None) -> SpeculativeOutput:
-    """`params`: a parameter tree or `{'params': ...}`; `prompt_lengths` [B]: each row's prompt length
-    (right padding), default the full width."""
-    tokens = jnp.asarray(prompt_tokens, jnp.int32)
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-      raise ValueError(f"prompt_tokens has shape {tokens.shape}; expected [batch, length >= 1].")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} is invalid; expected an int >= 1.")
-    b, width = tokens.shape
-    lengths = np.full((b,), width) if prompt_lengths is None else np.asarray(prompt_lengths)
-    if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer) or not (
-        (lengths >= 1) & (lengths <= width)).all():
-      raise ValueError(f"prompt_lengths={lengths.tolist()} is invalid; expected {b} ints in [1, {width}] (each "
-                       "row's prompt length, the rest of the row padding).")
-    needed = width + max_new_tokens + self.block_length
-    if needed > self.model.config.max_positions:
-      raise ValueError(f"A prompt of {width} positions and max_new_tokens={max_new_tokens} need {needed} "
-                       f"positions with a drafted canvas; the model has max_positions="
-                       f"{self.model.config.max_positions}.")
-    lengths = jnp.asarray(lengths, jnp.int32)
-    return _program(self, prompts_lib.variables(params), tokens, lengths, max_new_tokens=max_new_tokens)
+  def generate(self, params, prompt_tokens, max_new_tokens: int, prompt_lengths=None,
+               on_pass: Callable[[sampler_lib.PassEvent], None] | None = None) -> SpeculativeOutput:
+    """`params`: a parameter tree or `{'params': ...}`; `prompt_tokens` and `prompt_lengths` as
+    `Sampler.generate` ([B, L] right-padded with lengths [B], or a list of token lists). `on_pass`: called on the host after every iteration with a
+    `sampling.PassEvent` whose `canvas_index` counts the iterations, `step` is 0, `argmax` and `canvas`
+    hold the drafted block [B, block_length] (its first position the known next token), `accepted` and
+    `fixed` the positions committed (the known token and the drafts the encoder agreed with, from the left),
+    `active` the rows still decoding before it and `done` after it."""
+    max_new_tokens = prompts_lib.check_max_new_tokens(max_new_tokens)
+    tokens, lengths = prompts_lib.prepare(self.model.config, prompt_tokens, prompt_lengths,
+                                          max_new_tokens + self.block_length, self.prompt_bucket)
+    if on_pass is not None and not callable(on_pass):
+      raise ValueError(f"on_pass must be a callable taking a PassEvent, got {type(on_pass).__name__}.")
+    run = functools.partial(_program, self, prompts_lib.variables(params), tokens, lengths,
+                            max_new_tokens=max_new_tokens, stream=on_pass is not None)
+    if on_pass is None:
+      return run(jnp.zeros((), jnp.int32))
+    with sampler_lib.LISTENERS.registered(on_pass) as key:
+      out = jax.block_until_ready(run(jnp.asarray(key, jnp.int32)))
+      jax.effects_barrier()  # every iteration has reached the listener before it is removed
+    return out
 
 
-@functools.partial(jax.jit, static_argnames=("sampler", "max_new_tokens"))
-def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, *, max_new_tokens: int
-             ) -> SpeculativeOutput:
+@functools.partial(jax.jit, static_argnames=("sampler", "max_new_tokens", "stream"))
+def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, listener, *, max_new_tokens: int,
+             stream: bool) -> SpeculativeOutput:
   model, cfg = sampler.model, sampler.model.config
   b, c = tokens.shape[0], sampler.block_length
   rows = jnp.arange(b)
@@ -92,7 +97,7 @@ def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, *, max
   stops = jnp.asarray(sampler.stop_tokens, jnp.int32)
 
   def body(carry):
-    cache, nxt, out, count, passes, done = carry
+    cache, nxt, out, count, passes, done, iteration = carry
     canvas = jnp.full((b, c), sampler.mask_id, jnp.int32).at[:, 0].set(nxt)
     draft = jnp.argmax(model.apply(variables, canvas, cache, method=model.denoise), -1).astype(jnp.int32)
     block = draft.at[:, 0].set(nxt)
@@ -107,9 +112,14 @@ def _program(sampler: SelfSpeculativeSampler, variables, tokens, lengths, *, max
     stopped = (keep & jnp.isin(block, stops)).any(1)
     cache = written.replace(length=cache.length + take)
     count = count + take
-    return (cache, predicted[rows, accepted], out, count, passes + (~done).astype(jnp.int32),
-            done | stopped | (count >= max_new_tokens))
+    now_done = done | stopped | (count >= max_new_tokens)
+    if stream:
+      jax.debug.callback(sampler_lib.LISTENERS.emit, listener, iteration, 0, block, block, keep, keep, ~done,
+                         now_done, ordered=True)
+    return (cache, predicted[rows, accepted], out, count, passes + (~done).astype(jnp.int32), now_done,
+            iteration + 1)
 
-  carry = (cache, first, out, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool))
-  _, _, out, _, passes, _ = jax.lax.while_loop(lambda carry: ~carry[-1].all(), body, carry)
+  zeros = jnp.zeros((b,), jnp.int32)
+  carry = (cache, first, out, zeros, zeros, jnp.zeros((b,), bool), jnp.zeros((), jnp.int32))
+  _, _, out, _, passes, _, _ = jax.lax.while_loop(lambda carry: ~carry[-2].all(), body, carry)
   return SpeculativeOutput(tokens=out[:, :max_new_tokens], num_denoiser_passes=passes)

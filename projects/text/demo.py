@@ -1,10 +1,11 @@
-r"""The shipped text model writing Python: one held-out prompt's continuation drawn canvas by canvas, pass by
-pass, then tokens per pass, judged perplexity and tokens/s of block diffusion against AR greedy decoding of
-the same weights, both at batch 1.
+r"""The shipped text model writing Python: one held-out prompt's continuation drawn pass by pass as its
+denoiser drafts blocks and its AR mode checks them (self-speculative decoding: AR greedy's exact text),
+then tokens per pass, judged perplexity and tokens/s of each decoder of the same weights at batch 1.
 
   python -m projects.text.demo [--prompts=projects/text/prompts/validation.jsonl] [--num_prompts=16]
 
-Masked positions show as `_`, the tokens a pass accepted are bracketed, and newlines show as `\n`. The
+In the drawing, each line is one denoiser pass and one encoder pass: the drafted block with the tokens the
+encoder accepted bracketed and the rejected drafts struck through (`~x~`); newlines show as `\n`. The
 timings are this run's, on whatever else the machine is doing; the README's come from
 `benchmarks.text_vs_ar` on a quiet machine. The last lines print the commands that remake the weights.
 """
@@ -18,6 +19,7 @@ import jax
 import numpy as np
 
 from diffusiongemma import training
+from diffusiongemma.sampling import stats
 from projects.text import runs
 
 _PROMPTS = flags.DEFINE_string("prompts", str(runs.PROMPTS / "validation.jsonl"), "JSONL file of prompts.")
@@ -33,32 +35,29 @@ python scripts/train.py --config=projects/text/config.py:distil --workdir=workdi
   --config.data.distil.teacher=workdir/text_teacher"""
 
 
-def canvas_text(tokenizer, tokens, masked, accepted, mask_id: int) -> str:
-  """One canvas as text: `_` for a masked position, [token] for one accepted by this pass."""
-  parts = []
-  for token, is_masked, new in zip(tokens, masked, accepted):
-    piece = "_" if is_masked else tokenizer.decode([int(token)]).replace("\n", "\\n")
-    parts.append(f"[{piece}]" if new else piece)
-  return "".join(parts)
+def block_text(tokenizer, block, accepted) -> str:
+  """One drafted block as text: the accepted tokens bracketed, the rejected drafts struck through."""
+  pieces = [tokenizer.decode([int(token)]).replace("\n", "\\n") for token in block]
+  return "".join(f"[{piece}]" if ok else f"~{piece}~" for piece, ok in zip(pieces, accepted))
 
 
 def show_one(run: runs.TextModel, sampler, prompt, max_new_tokens: int) -> None:
-  mask_id = sampler.noise.never_token
   print("prompt (its last lines):")
   print("\n".join(run.tokenizer.decode(prompt).splitlines()[-4:]))
-  print("\ncanvas pass | accepted | the canvas after the pass")
+  print(f"\npass | accepted | the drafted block of {sampler.block_length} ([accepted] ~rejected~)")
+  count = 0
 
   def on_pass(event):
-    canvas = event.canvas[0]
-    masked = canvas == mask_id
-    print(f"{event.canvas_index:6d} {event.step + 1:4d} | {int(event.accepted[0].sum()):8d} | "
-          f"{canvas_text(run.tokenizer, canvas, masked, event.accepted[0], mask_id)}")
+    nonlocal count
+    if count < max_new_tokens:  # the last block may run past the tokens asked for
+      accepted = event.accepted[0][:max_new_tokens - count]
+      count += int(accepted.sum())
+      print(f"{event.canvas_index + 1:4d} | {int(accepted.sum()):8d} | {block_text(run.tokenizer, event.canvas[0], accepted)}")
 
-  sampler.generate(run.variables, [prompt], jax.random.key(0), max_new_tokens)  # compile, no stream
-  out = sampler.generate(run.variables, [prompt], jax.random.key(0), max_new_tokens, on_pass=on_pass)
-  new = [t for t in np.asarray(out.tokens)[0] if t != sampler.model.config.pad_id]
-  print(f"\n{len(new)} tokens in {int(out.num_denoiser_passes[0])} passes "
-        f"({len(new) / int(out.num_denoiser_passes[0]):.1f} tokens per pass):")
+  out = sampler.generate(run.variables, [prompt], max_new_tokens, on_pass=on_pass)
+  new = stats.new_tokens(np.asarray(out.tokens)[0], sampler.stop_tokens, sampler.model.config.pad_id)
+  passes = int(out.num_denoiser_passes[0])
+  print(f"\n{len(new)} tokens in {passes} denoiser passes ({len(new) / passes:.1f} tokens per pass):")
   print(run.tokenizer.decode(prompt) + ">>>" + run.tokenizer.decode(new) + "<<<")
 
 
@@ -68,27 +67,31 @@ def main(argv):
   training.quiet_orbax_logs()
   run = runs.load(_WORKDIR.value)
   prompts = runs.read_prompts(_PROMPTS.value, run.tokenizer, limit=_NUM_PROMPTS.value)
-  sampler, ar = run.sampler(), run.ar_sampler()
   new = _MAX_NEW.value
+  spec, spec4, sampler, ar = run.speculative_sampler(), run.speculative_sampler(4), run.sampler(), run.ar_sampler()
   if _SHOW.value:
-    show_one(run, sampler, prompts[0], new)
-  rows = ["| decoder (batch 1) | tokens / pass | judged perplexity | distinct 4-grams | tokens/s |",
+    show_one(run, spec, prompts[0], new)
+  rows = ["| decoder (batch 1) | tokens / denoiser pass | judged perplexity | distinct 4-grams | tokens/s |",
           "|---|---|---|---|---|"]
   results = {}
-  for name, decode in (("block diffusion", lambda: runs.diffusion(sampler, run.variables, prompts, new, 1)),
-                       ("AR greedy", lambda: (runs.autoregressive(ar, run.variables, prompts, new, 1), None))):
-    decode()  # compile
+  decoders = {
+      "self-speculative (shipped)": lambda ps: runs.speculative(spec, run.variables, ps, new, 1),
+      "self-speculative, 4-token drafts": lambda ps: runs.speculative(spec4, run.variables, ps, new, 1),
+      "block diffusion, left to right": lambda ps: runs.diffusion(sampler, run.variables, ps, new, 1),
+      "AR greedy": lambda ps: (runs.autoregressive(ar, run.variables, ps, new, 1), None)}
+  for name, decode in decoders.items():
+    decode(prompts[:1])  # compile
     start = time.perf_counter()
-    continuations, passes = decode()
+    continuations, passes = decode(prompts)
     seconds = time.perf_counter() - start
     q = runs.quality(run, prompts, continuations)
-    per_pass = f"{q['new_tokens'] / passes.sum():.2f}" if passes is not None else "1"
+    per_pass = f"{q['new_tokens'] / passes.sum():.2f}" if passes is not None else "(1 per AR step)"
     results[name] = q["new_tokens"] / seconds
     rows.append(f"| {name} | {per_pass} | {q['judged_perplexity']:.3f} | {q['distinct_4gram']:.3f} | "
                 f"{results[name]:.0f} |")
   print(f"\n{len(prompts)} held-out prompts of {_PROMPTS.value}, {new} new tokens; {run.source}")
   print("\n".join(rows))
-  print(f"block diffusion / AR tokens per second: {results['block diffusion'] / results['AR greedy']:.2f}x "
+  print(f"self-speculative / AR tokens per second: {results['self-speculative (shipped)'] / results['AR greedy']:.2f}x "
         "(this run; quiet-machine numbers: README)")
   print(f"\nRemake the shipped weights:\n{REMAKE}")
   sys.stdout.flush()

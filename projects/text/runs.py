@@ -61,7 +61,8 @@ class TextModel:
     positions a pass, default its canvas)."""
     sampler = self.sampler()
     return speculative_lib.SelfSpeculativeSampler(sampler.model, build.noise(self.config).mask_token_id,
-                                                  stop_tokens=sampler.stop_tokens, draft_length=draft_length)
+                                                  stop_tokens=sampler.stop_tokens, draft_length=draft_length,
+                                                  prompt_bucket=sampler.config.prompt_bucket)
 
   def judge(self) -> generative.Judge:
     return generative.Judge("self", self.model, self.variables)
