@@ -199,26 +199,39 @@ def test_self_conditioning(params):
   assert np.abs(_denoise(params, canvas, cache, jnp.zeros_like(sc)) - none).max() > 1e-3
 
 
-def _routing(seed, num_tokens, skew):
+def _routing(seed, num_tokens, skew, num_experts=TINY.num_experts):
   rng = np.random.default_rng(seed)
   if skew:  # every token on experts 0 and 1: the most unbalanced groups possible
     experts = np.tile([0, 1], (num_tokens, 1))
   else:
-    experts = np.stack([rng.permutation(TINY.num_experts)[:TINY.top_k] for _ in range(num_tokens)])
+    experts = np.stack([rng.permutation(num_experts)[:TINY.top_k] for _ in range(num_tokens)])
   weights = rng.uniform(0.1, 1.0, experts.shape)
   return jnp.asarray(weights, jnp.float32), jnp.asarray(experts, jnp.int32)
 
 
+MANY = TINY.replace(num_experts=16)  # enough experts that `grouped` runs its slab and tiles
+
+
 @pytest.mark.parametrize("impl", ["grouped", "ragged"])
-@pytest.mark.parametrize("num_tokens,skew", [(1, False), (13, False), (64, False), (64, True)])
-def test_sparse_experts_equal_dense(impl, num_tokens, skew):
-  x = jax.random.normal(jax.random.key(2), (num_tokens, TINY.hidden_size))
-  weights, experts = _routing(num_tokens, num_tokens, skew)
-  dense = moe.Experts(TINY.replace(moe_impl="dense"))
+@pytest.mark.parametrize("cfg,num_tokens,skew,plan", [(TINY, 1, False, "gathered"), (TINY, 13, False, "dense"),
+                                                      (MANY, 64, False, "slab"), (MANY, 64, True, "slab")])
+def test_sparse_experts_equal_dense(impl, cfg, num_tokens, skew, plan):
+  assert moe.grouped_plan(num_tokens, cfg.top_k, cfg.num_experts) == plan
+  x = jax.random.normal(jax.random.key(2), (num_tokens, cfg.hidden_size))
+  weights, experts = _routing(num_tokens, num_tokens, skew, cfg.num_experts)
+  dense = moe.Experts(cfg.replace(moe_impl="dense"))
   variables = dense.init(jax.random.key(3), x, weights, experts)
   want = jax.jit(dense.apply)(variables, x, weights, experts)
-  got = jax.jit(moe.Experts(TINY.replace(moe_impl=impl)).apply)(variables, x, weights, experts)
+  got = jax.jit(moe.Experts(cfg.replace(moe_impl=impl)).apply)(variables, x, weights, experts)
   np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_grouped_plan_runs_every_expert_only_when_that_is_no_more_rows():
+  """Few tokens: each assignment's own weights (T*k <= E), then every expert while T*E rows are at most
+  the slab's E*S plus the tiles' rows (measured: docs/moe.md), then the slab and tiles."""
+  assert [moe.grouped_plan(t, 2, 8) for t in (4, 5, 16, 32, 64)] == ["gathered", "dense", "dense", "dense", "slab"]
+  assert [moe.grouped_plan(t, 2, 16) for t in (8, 16, 32, 256)] == ["gathered", "dense", "slab", "slab"]
+  assert moe.grouped_plan(2048, 8, 128) == "slab" and moe.grouped_plan(3, 1, 1) == "dense"
 
 
 def test_moe_impl_auto_is_chosen_by_the_backend_once_and_overridable(monkeypatch):
@@ -239,10 +252,12 @@ def test_moe_impl_auto_is_chosen_by_the_backend_once_and_overridable(monkeypatch
   assert default_moe_impl("cuda") == "ragged" and default_moe_impl("METAL") == "grouped"
 
 
-def test_grouped_experts_skip_tokens_and_leave_the_others_unchanged():
-  x = jax.random.normal(jax.random.key(6), (40, TINY.hidden_size))
-  weights, experts = _routing(1, 40, False)
-  module = moe.Experts(TINY)
+@pytest.mark.parametrize("cfg,plan", [(MANY, "slab"), (TINY, "dense")])
+def test_grouped_experts_skip_tokens_and_leave_the_others_unchanged(cfg, plan):
+  assert moe.grouped_plan(40, cfg.top_k, cfg.num_experts) == plan
+  x = jax.random.normal(jax.random.key(6), (40, cfg.hidden_size))
+  weights, experts = _routing(1, 40, False, cfg.num_experts)
+  module = moe.Experts(cfg.replace(moe_impl="grouped"))
   variables = module.init(jax.random.key(7), x, weights, experts)
   apply = jax.jit(module.apply)
   full = np.asarray(apply(variables, x, weights, experts))
@@ -253,12 +268,13 @@ def test_grouped_experts_skip_tokens_and_leave_the_others_unchanged():
 
 
 def test_sparse_experts_gradients_equal_dense():
-  x = jax.random.normal(jax.random.key(4), (24, TINY.hidden_size))
-  weights, experts = _routing(0, 24, False)
-  variables = moe.Experts(TINY).init(jax.random.key(5), x, weights, experts)
+  assert moe.grouped_plan(24, MANY.top_k, MANY.num_experts) == "slab"
+  x = jax.random.normal(jax.random.key(4), (24, MANY.hidden_size))
+  weights, experts = _routing(0, 24, False, MANY.num_experts)
+  variables = moe.Experts(MANY).init(jax.random.key(5), x, weights, experts)
 
   def grads(impl):
-    module = moe.Experts(TINY.replace(moe_impl=impl))
+    module = moe.Experts(MANY.replace(moe_impl=impl))
     return jax.jit(jax.grad(lambda v, x: module.apply(v, x, weights, experts).sum(),
                             argnums=(0, 1)))(variables, x)
 

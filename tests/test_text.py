@@ -125,6 +125,12 @@ def test_distilled_run_decodes_and_the_benchmark_writes_every_field(tiny_recipe,
   trained = build.load(build.workdir_config(distilled), workdir=distilled).variables
   jax.tree.map(lambda got, want: np.testing.assert_array_equal(
       got, np.asarray(want).astype(jnp.bfloat16).astype(np.float32)), variables, trained)
+  # One pass's cost per way of running the experts (timings unchecked: only that it measures each).
+  _run("-m", "benchmarks.pass_cost", f"--workdir={distilled}", f"--output={tmp_path / 'passes.json'}",
+       "--tokens=1,5", "--moe=grouped,slab", "--repeats=1", "--max_load=1000")
+  passes = json.loads((tmp_path / "passes.json").read_text())["passes"]
+  assert passes["grouped"]["5"]["plan"] == "dense" and passes["slab"]["5"]["plan"] == "slab"
+  assert passes["slab"]["1"]["plan"] == "gathered" and passes["grouped"]["1"]["encode_ms"] > 0
   (tmp_path / "bad.jsonl").write_text('{"prompt": "x"}\n{"text": "no prompt"}\n')
   with pytest.raises(subprocess.CalledProcessError) as error:
     _run("-m", "benchmarks.text_vs_ar", f"--workdir={distilled}", f"--prompts={tmp_path / 'bad.jsonl'}",

@@ -8,7 +8,8 @@ Three interchangeable implementations of the same function (`ModelConfig.moe_imp
   slab of ~1.25x the mean group) go through one batched matmul pair over all experts, and a busy expert's
   overflow through tiles of X rows (a `lax.scan` over the tiles in use). No token is dropped, and the work
   is at most (T*k + E*S + E*X) rows instead of T*E, so the cost stays flat as E grows at fixed k. This is
-  what is truly sparse on CPU.
+  what is truly sparse on CPU. For few tokens (`grouped_plan`) it gathers each assignment's weights, or
+  runs every expert when that is no more rows than the slab and the tiles (no sort, no scan).
 - `ragged`: the sorted assignments through `jax.lax.ragged_dot` (real kernels on GPU/TPU; on CPU it
   computes every expert: see docs/moe.md).
 - `dense`: every expert on every token, weighted by the (mostly zero) routing weights. The reference.
@@ -176,6 +177,23 @@ def slab_capacity(num_tokens: int, top_k: int, num_experts: int) -> int:
   return max(_TILE_MULTIPLE, -(-(5 * mean // 4) // _TILE_MULTIPLE) * _TILE_MULTIPLE)
 
 
+def _tiles(capacity: int, num_tokens: int, top_k: int, num_experts: int) -> tuple[int, int]:
+  """(rows per overflow tile, tiles the scan runs over: sum ceil(n_e / X) <= A / X + E)."""
+  tile = max(_TILE_MULTIPLE, capacity // 4 // _TILE_MULTIPLE * _TILE_MULTIPLE)
+  return tile, -(-num_tokens * top_k // tile) + num_experts
+
+
+def grouped_plan(num_tokens: int, top_k: int, num_experts: int) -> str:
+  """What `_grouped` computes for T tokens: "gathered" (T*k <= E: each assignment through its own copy of
+  its expert's weights); "dense" (every expert on every token is no more rows than the slab and every tile
+  the scan may run, so it runs that, with no sort and no scan); else "slab" (the slab and the tiles)."""
+  if num_tokens * top_k <= num_experts:
+    return "gathered"
+  capacity = slab_capacity(num_tokens, top_k, num_experts)
+  tile, num_tiles = _tiles(capacity, num_tokens, top_k, num_experts)
+  return "dense" if num_tokens * num_experts <= num_experts * capacity + num_tiles * tile else "slab"
+
+
 def _gathered(x, weights, experts, gating, linear):
   """Each (token, expert) assignment through its own gathered copy of the expert's weights: for a few
   tokens (an autoregressive step), where it reads no more than all experts once and runs no loop."""
@@ -194,12 +212,13 @@ def _grouped(x, weights, experts, gating, linear, skip=None):
   pair over all experts, [E, S, D] against the weights as they are; the assignments past S (a busy
   expert's overflow) in tiles of X rows, one matmul pair per tile in a `lax.scan` (tiles past the last one
   in use skipped by `lax.cond`). Nothing is dropped, and every assignment is computed once. Why and the
-  measurements: docs/moe.md. At most E assignments (T*k <= E, e.g. an autoregressive step): `_gathered`."""
+  measurements: docs/moe.md. For few tokens, `grouped_plan`: `_gathered` or `_dense`."""
   num_tokens, top_k = experts.shape
   num_experts, _, ffn, dim = gating.shape
-  if num_tokens * top_k <= num_experts:
-    return _gathered(x, weights if skip is None else jnp.where(skip[:, None], 0.0, weights), experts,
-                     gating, linear)
+  plan = grouped_plan(num_tokens, top_k, num_experts)
+  if plan != "slab":
+    weights = weights if skip is None else jnp.where(skip[:, None], 0.0, weights)
+    return (_gathered if plan == "gathered" else _dense)(x, weights, experts, gating, linear)
   if skip is not None:  # expert id E: sorted last, in no group, in neither the slab nor a tile
     experts = jnp.where(skip[:, None], num_experts, experts)
   capacity = slab_capacity(num_tokens, top_k, num_experts)
@@ -220,8 +239,7 @@ def _grouped(x, weights, experts, gating, linear, skip=None):
   out = layers.einsum("EXF,EFD->EXD", h, linear, x.dtype).reshape(num_experts * capacity, dim)
   rows = jnp.take(out, slab_row, axis=0, mode="fill", fill_value=0)  # [A, D] sorted; 0 past the slab
 
-  tile = max(_TILE_MULTIPLE, capacity // 4 // _TILE_MULTIPLE * _TILE_MULTIPLE)
-  num_tiles = -(-num_tokens * top_k // tile) + num_experts  # sum ceil(n_e / X) <= A / X + E
+  tile, num_tiles = _tiles(capacity, num_tokens, top_k, num_experts)
   overflow = jnp.where(in_slab, num_experts, sorted_experts)
   dest, tile_expert, used = _tile_layout(overflow, rank - capacity, jnp.maximum(sizes - capacity, 0), tile,
                                          num_tiles)
