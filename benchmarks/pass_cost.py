@@ -7,7 +7,7 @@ experts, taken in turns and best of `--repeats`.
 
 `--moe`: `grouped` (the CPU default, with `moe.grouped_plan` choosing gathered weights, every expert, or
 the slab and tiles by the token count), `slab` (`grouped` always on its slab and tiles past T*k <= E: what
-it ran before the plan), `dense` (every expert on every token). JSON: weights, settings, machine
+it ran before `moe.grouped_plan`), `dense` (every expert on every token). JSON: weights, settings, machine
 (`measure.provenance`, matmul_peak_gflops, load_average_after), and `passes`: per way, per token count,
 the plan, encode_ms and denoise_ms (best and median).
 """
@@ -65,20 +65,22 @@ def main(argv):
     model = run.model.clone(config=dataclasses.replace(cfg, moe_impl=_MOE_IMPL[way]))
     patch = mock.patch.object(moe, "grouped_plan", _slab_plan) if way == "slab" else contextlib.nullcontext()
     with patch:  # the plan is read while tracing: the first call of each program
-      encode = jax.jit(lambda t, c, model=model: model.apply(run.variables, t, c, method=model.encode))
-      denoise = jax.jit(lambda t, c, model=model: model.apply(run.variables, t, c, method=model.denoise))
+      # The weights are arguments, as in the samplers: closed over, XLA folds them into the program as
+      # constants laid out for each matmul, which a real generation does not get (~0.5-3 ms a pass here).
+      encode = jax.jit(lambda v, t, c, model=model: model.apply(v, t, c, method=model.encode))
+      denoise = jax.jit(lambda v, t, c, model=model: model.apply(v, t, c, method=model.denoise))
       prompt = jnp.full((1, _PROMPT.value), 5, jnp.int32)
-      _, cache = encode(prompt, KVCache.empty(cfg, 1, _PROMPT.value + max(tokens)))
+      _, cache = encode(run.variables, prompt, KVCache.empty(cfg, 1, _PROMPT.value + max(tokens)))
       for n in tokens:
         block = jnp.full((1, n), 7, jnp.int32)
         for name, fn in (("encode", encode), ("denoise", denoise)):
-          jax.block_until_ready(fn(block, cache))  # compile
+          jax.block_until_ready(fn(run.variables, block, cache))  # compile
           calls[way, n, name] = (fn, block, cache)
   times = {key: [] for key in calls}
   for _ in range(_REPEATS.value):
     for key, (fn, block, cache) in calls.items():
       start = time.perf_counter()
-      jax.block_until_ready(fn(block, cache))
+      jax.block_until_ready(fn(run.variables, block, cache))
       times[key].append(time.perf_counter() - start)
   passes = {}
   for way in _MOE.value:

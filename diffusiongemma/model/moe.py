@@ -9,7 +9,8 @@ Three interchangeable implementations of the same function (`ModelConfig.moe_imp
   overflow through tiles of X rows (a `lax.scan` over the tiles in use). No token is dropped, and the work
   is at most (T*k + E*S + E*X) rows instead of T*E, so the cost stays flat as E grows at fixed k. This is
   what is truly sparse on CPU. For few tokens (`grouped_plan`) it gathers each assignment's weights, or
-  runs every expert when that is no more rows than the slab and the tiles (no sort, no scan).
+  runs every expert when that is no more rows than the slab and the tiles (`_every_expert`: no sort, no
+  scan, two 2-D matmuls against the weights as stored).
 - `ragged`: the sorted assignments through `jax.lax.ragged_dot` (real kernels on GPU/TPU; on CPU it
   computes every expert: see docs/moe.md).
 - `dense`: every expert on every token, weighted by the (mostly zero) routing weights. The reference.
@@ -194,6 +195,20 @@ def grouped_plan(num_tokens: int, top_k: int, num_experts: int) -> str:
   return "dense" if num_tokens * num_experts <= num_experts * capacity + num_tiles * tile else "slab"
 
 
+def _every_expert(x, weights, experts, gating, linear):
+  """`_dense` as two 2-D matmuls: [T, D] against all experts' up weights as they are stored ([E*2F, D],
+  contracted on D), the GeGLU scaled by each token's routing weight (0 for the experts it did not choose),
+  then [T, E*F] against the down weights [E*F, D]. No weight is copied or transposed per call."""
+  num_tokens = x.shape[0]
+  num_experts, _, ffn, dim = gating.shape
+  combine = jnp.zeros((num_tokens, num_experts), jnp.float32)
+  combine = combine.at[jnp.arange(num_tokens)[:, None], experts].add(weights)  # [T, E]
+  h = layers.einsum("TD,ND->TN", x, gating.reshape(num_experts * 2 * ffn, dim), x.dtype)
+  h = _geglu(h.reshape(num_tokens, num_experts, 2, ffn)) * combine[:, :, None].astype(x.dtype)  # [T, E, F]
+  return layers.einsum("TN,ND->TD", h.reshape(num_tokens, num_experts * ffn),
+                       linear.reshape(num_experts * ffn, dim), x.dtype)
+
+
 def _gathered(x, weights, experts, gating, linear):
   """Each (token, expert) assignment through its own gathered copy of the expert's weights: for a few
   tokens (an autoregressive step), where it reads no more than all experts once and runs no loop."""
@@ -212,13 +227,13 @@ def _grouped(x, weights, experts, gating, linear, skip=None):
   pair over all experts, [E, S, D] against the weights as they are; the assignments past S (a busy
   expert's overflow) in tiles of X rows, one matmul pair per tile in a `lax.scan` (tiles past the last one
   in use skipped by `lax.cond`). Nothing is dropped, and every assignment is computed once. Why and the
-  measurements: docs/moe.md. For few tokens, `grouped_plan`: `_gathered` or `_dense`."""
+  measurements: docs/moe.md. For few tokens, `grouped_plan`: `_gathered` or `_every_expert`."""
   num_tokens, top_k = experts.shape
   num_experts, _, ffn, dim = gating.shape
   plan = grouped_plan(num_tokens, top_k, num_experts)
   if plan != "slab":
     weights = weights if skip is None else jnp.where(skip[:, None], 0.0, weights)
-    return (_gathered if plan == "gathered" else _dense)(x, weights, experts, gating, linear)
+    return (_gathered if plan == "gathered" else _every_expert)(x, weights, experts, gating, linear)
   if skip is not None:  # expert id E: sorted last, in no group, in neither the slab nor a tile
     experts = jnp.where(skip[:, None], num_experts, experts)
   capacity = slab_capacity(num_tokens, top_k, num_experts)
