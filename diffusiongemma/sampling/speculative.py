@@ -64,11 +64,12 @@ class SelfSpeculativeSampler:
   def generate(self, params, prompt_tokens, max_new_tokens: int, prompt_lengths=None,
                on_pass: Callable[[sampler_lib.PassEvent], None] | None = None) -> SpeculativeOutput:
     """`params`: a parameter tree or `{'params': ...}`; `prompt_tokens` and `prompt_lengths` as
-    `Sampler.generate` ([B, L] right-padded with lengths [B], or a list of token lists). `on_pass`: called on the host after every iteration with a
-    `sampling.PassEvent` whose `canvas_index` counts the iterations, `step` is 0, `argmax` and `canvas`
-    hold the drafted block [B, block_length] (its first position the known next token), `accepted` and
-    `fixed` the positions committed (the known token and the drafts the encoder agreed with, from the left),
-    `active` the rows still decoding before it and `done` after it."""
+    `Sampler.generate` ([B, L] right-padded with lengths [B], or a list of token lists). `on_pass`: called
+    on the host after every iteration with a `sampling.PassEvent` whose `canvas_index` counts the
+    iterations, `step` is 0, `argmax` and `canvas` hold the drafted block [B, block_length] (its first
+    position the known next token), `accepted` and `fixed` the positions committed (the known token and
+    the drafts the encoder agreed with, from the left), `active` the rows still decoding before it and
+    `done` after it."""
     max_new_tokens = prompts_lib.check_max_new_tokens(max_new_tokens)
     tokens, lengths = prompts_lib.prepare(self.model.config, prompt_tokens, prompt_lengths,
                                           max_new_tokens + self.block_length, self.prompt_bucket)

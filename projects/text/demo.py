@@ -52,7 +52,8 @@ def show_one(run: runs.TextModel, sampler, prompt, max_new_tokens: int) -> None:
     if count < max_new_tokens:  # the last block may run past the tokens asked for
       accepted = event.accepted[0][:max_new_tokens - count]
       count += int(accepted.sum())
-      print(f"{event.canvas_index + 1:4d} | {int(accepted.sum()):8d} | {block_text(run.tokenizer, event.canvas[0], accepted)}")
+      drawn = block_text(run.tokenizer, event.canvas[0], accepted)
+      print(f"{event.canvas_index + 1:4d} | {int(accepted.sum()):8d} | {drawn}")
 
   out = sampler.generate(run.variables, [prompt], max_new_tokens, on_pass=on_pass)
   new = stats.new_tokens(np.asarray(out.tokens)[0], sampler.stop_tokens, sampler.model.config.pad_id)
