@@ -101,10 +101,14 @@ class Experts(nn.Module):
     return impl(x, weights, experts, gating, linear)
 
 
+def _combine_matrix(weights: Array, experts: Array, num_experts: int) -> Array:
+  """[T, E] float32: each token's routing weight on the experts it chose, 0 elsewhere."""
+  combine = jnp.zeros((experts.shape[0], num_experts), jnp.float32)
+  return combine.at[jnp.arange(experts.shape[0])[:, None], experts].add(weights)
+
+
 def _dense(x, weights, experts, gating, linear):
-  num_experts = gating.shape[0]
-  combine = jnp.zeros((x.shape[0], num_experts), jnp.float32)
-  combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].add(weights)  # [T, E]
+  combine = _combine_matrix(weights, experts, gating.shape[0])  # [T, E]
   h = _geglu(jnp.einsum("TD,EGFD->TEGF", x, gating))  # [T, E, F]
   out = jnp.einsum("TEF,EFD->TED", h, linear)
   return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), combine).astype(x.dtype)
@@ -201,8 +205,7 @@ def _every_expert(x, weights, experts, gating, linear):
   then [T, E*F] against the down weights [E*F, D]. No weight is copied or transposed per call."""
   num_tokens = x.shape[0]
   num_experts, _, ffn, dim = gating.shape
-  combine = jnp.zeros((num_tokens, num_experts), jnp.float32)
-  combine = combine.at[jnp.arange(num_tokens)[:, None], experts].add(weights)  # [T, E]
+  combine = _combine_matrix(weights, experts, num_experts)  # [T, E]
   h = layers.einsum("TD,ND->TN", x, gating.reshape(num_experts * 2 * ffn, dim), x.dtype)
   h = _geglu(h.reshape(num_tokens, num_experts, 2, ffn)) * combine[:, :, None].astype(x.dtype)  # [T, E, F]
   return layers.einsum("TN,ND->TD", h.reshape(num_tokens, num_experts * ffn),

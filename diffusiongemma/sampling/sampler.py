@@ -115,6 +115,16 @@ class _Listeners:
       with self._lock:
         del self._listeners[key]
 
+  def run(self, listener: Callable[[PassEvent], None] | None, program: Callable[[jax.Array], object]):
+    """`program(key)` with `listener` registered under `key` for the call (a zero key without one); every
+    event has reached the listener when this returns."""
+    if listener is None:
+      return program(jnp.zeros((), jnp.int32))
+    with self.registered(listener) as key:
+      out = jax.block_until_ready(program(jnp.asarray(key, jnp.int32)))
+      jax.effects_barrier()  # every event has reached the listener before it is removed
+    return out
+
   def emit(self, key, canvas_index, step, argmax, canvas, accepted, fixed, active, done) -> None:
     listener = self._listeners.get(int(key))
     if listener is not None:
@@ -337,13 +347,7 @@ class Sampler:
     if compile_only:
       _program.lower(*run.args, jnp.zeros((), jnp.int32), **run.keywords).compile()
       return None
-    if on_pass is None:
-      return run(jnp.zeros((), jnp.int32))
-    with LISTENERS.registered(on_pass) as key:
-      out = run(jnp.asarray(key, jnp.int32))
-      jax.block_until_ready(out)
-      jax.effects_barrier()  # every pass has reached the listener before it is removed
-    return out
+    return LISTENERS.run(on_pass, run)
 
   def start_canvas(self, keys: Array, canvas_index) -> tuple[Array, Array]:
     """(first canvas [B, C], step keys [B]) of canvas `canvas_index`, from the row keys."""

@@ -77,12 +77,7 @@ class SelfSpeculativeSampler:
       raise ValueError(f"on_pass must be a callable taking a PassEvent, got {type(on_pass).__name__}.")
     run = functools.partial(_program, self, prompts_lib.variables(params), tokens, lengths,
                             max_new_tokens=max_new_tokens, stream=on_pass is not None)
-    if on_pass is None:
-      return run(jnp.zeros((), jnp.int32))
-    with sampler_lib.LISTENERS.registered(on_pass) as key:
-      out = jax.block_until_ready(run(jnp.asarray(key, jnp.int32)))
-      jax.effects_barrier()  # every iteration has reached the listener before it is removed
-    return out
+    return sampler_lib.LISTENERS.run(on_pass, run)
 
 
 @functools.partial(jax.jit, static_argnames=("sampler", "max_new_tokens", "stream"))
