@@ -518,7 +518,7 @@ def test_reuse_with_a_refresh_every_pass_is_exact_and_one_program(model, params)
   kwargs = dict(prompt_lengths=np.array([5, 3, 4]), max_new_tokens=NEW)
   exact = _masked_sampler(model).generate(params, prompts, keys, **kwargs)
   for fuse in (False, True):
-    every = _masked_sampler(model, reuse="settled", reuse_refresh=1, fuse_commit=fuse)
+    every = _masked_sampler(model, reuse="settled", reuse_refresh=1, fuse_commit=fuse, reuse_widths=2)
     out = every.generate(params, prompts, keys, **kwargs)
     np.testing.assert_array_equal(out.tokens, exact.tokens)
     np.testing.assert_array_equal(out.canvas_passes, exact.canvas_passes)
@@ -573,9 +573,13 @@ def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, 
   assert reused > 0
 
 
-def test_reuse_settings_are_checked():
+def test_reuse_settings_are_checked(model):
+  assert _masked_sampler(model, reuse="settled").reuse_widths == (4, 5, 6, 7, 8)  # canvas 8 in 8 steps, >= 4
+  assert _masked_sampler(model, reuse="settled", reuse_widths=2).reuse_widths == (4, 8)
+  assert _masked_sampler(model, reuse="settled", reuse_widths=1).reuse_widths == (8,)
   for changes, message in ((dict(reuse="all"), "SamplerConfig.reuse='all' is invalid"),
                            (dict(reuse_refresh=-1), "SamplerConfig.reuse_refresh=-1 is invalid"),
+                           (dict(reuse_widths=0), "SamplerConfig.reuse_widths=0 is invalid"),
                            (dict(draw="best"), "SamplerConfig.draw='best' is invalid"),
                            (dict(fuse_commit=1), "SamplerConfig.fuse_commit=1 is invalid")):
     with pytest.raises(ValueError, match=re.escape(message)):

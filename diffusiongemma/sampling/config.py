@@ -45,6 +45,9 @@ class SamplerConfig:
     yet settled and reuses the keys, values and hidden states of the others as last computed: approximate,
     Fast-dLLM style; `steps.reuse_pass`); needs a noise process whose accepted positions stay fixed
     (masked). reuse_refresh: with "settled", a whole pass every this many passes (0: only the first).
+    reuse_widths: with "settled", how many static widths a pass may take: the canvas in that many equal
+    steps (at least 4 positions; 1: every pass is as wide as the canvas). More widths fit the positions a
+    pass recomputes more closely, and each is one more model pass to compile.
   """
 
   max_denoising_steps: int = 48
@@ -62,6 +65,7 @@ class SamplerConfig:
   fuse_commit: bool = False
   reuse: str = "none"
   reuse_refresh: int = 0
+  reuse_widths: int = 8
 
   def __post_init__(self):
     if self.stop_tokens is not None:
@@ -101,6 +105,8 @@ class SamplerConfig:
       fail("reuse", f"must be one of {REUSES}")
     if not is_int(self.reuse_refresh) or self.reuse_refresh < 0:
       fail("reuse_refresh", "must be an integer >= 0 (0: no refresh after the first pass)")
+    if not is_int(self.reuse_widths) or not 1 <= self.reuse_widths <= 64:
+      fail("reuse_widths", "must be an integer from 1 to 64")
     if not isinstance(self.fuse_commit, bool):
       fail("fuse_commit", "must be True or False")
     if self.draw not in DRAWS:

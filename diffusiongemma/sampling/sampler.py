@@ -371,10 +371,10 @@ class Sampler:
 
   @property
   def reuse_widths(self) -> tuple[int, ...]:
-    """The widths a pass that reuses settled positions may take: the canvas, halved up to three times (at
-    least 4 positions), ascending."""
-    c = self.canvas_length
-    return tuple(sorted({max(min(c, 4), -(-c // 2**i)) for i in range(4)}))
+    """The widths a pass that reuses settled positions may take, ascending: the canvas in
+    `config.reuse_widths` equal steps, at least 4 positions (or the canvas, if shorter)."""
+    c, n = self.canvas_length, self.config.reuse_widths
+    return tuple(sorted({max(min(c, 4), -(-c * i // n)) for i in range(1, n + 1)}))
 
   def encode_denoise(self, variables, committed: Array, state: steps.DenoiseState, cache: KVCache
                      ) -> tuple[Array, KVCache]:
