@@ -7,7 +7,7 @@ r"""Reusing settled positions (`SamplerConfig.reuse="settled"`) against exact de
   per pass, judged perplexity (the same weights' AR mode) and tokens/s of exact decoding and of reuse at
   each refresh, at each of `--text_batch_sizes`;
 - a pass's cost against how much of the canvas it recomputes: one pass at each width the sampler may take
-  (the canvas, halved up to three times), timed alone, for both models at batch 1.
+  (`Sampler.reuse_widths`), timed alone, for both models at batch 1.
 Exact and reuse runs are alternated `--repeats` times (best kept). The machine must be quiet (`--max_load`,
 as `benchmarks.text_vs_ar`); the JSON records the load averages, a matmul peak and every setting.
 
