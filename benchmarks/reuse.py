@@ -2,10 +2,11 @@ r"""Reusing settled positions (`SamplerConfig.reuse="settled"`) against exact de
 
 - Sudoku (the shipped weights, held-out 36-40-clue puzzles of the validation stream, clues held): solve
   rate, passes per puzzle and puzzles/s of exact decoding and of reuse at each `--refresh` (0: only the
-  first pass is whole), at each of `--sudoku_batch_sizes`;
+  first pass is whole) and `--delay` (passes computing a fixed position before it settles), at each of
+  `--sudoku_batch_sizes`;
 - text (the shipped text weights or `--text_workdir`, the prompts of `--prompts`, 128 new tokens): tokens
   per pass, judged perplexity (the same weights' AR mode) and tokens/s of exact decoding and of reuse at
-  each refresh, at each of `--text_batch_sizes`;
+  each refresh and delay, at each of `--text_batch_sizes`;
 - a pass's cost against how much of the canvas it recomputes: one pass at each width the sampler may take
   (`Sampler.reuse_widths`), timed alone, for both models at batch 1.
 Exact and reuse runs are alternated `--repeats` times (best kept). The machine must be quiet (`--max_load`,
@@ -38,6 +39,7 @@ from projects.text import runs
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _OUTPUT = flags.DEFINE_string("output", None, "Where the JSON goes.")
 _REFRESH = flags.DEFINE_list("refresh", ["0", "4"], "reuse_refresh values measured (0: no refresh).")
+_DELAY = flags.DEFINE_list("delay", ["1", "2"], "reuse_delay values measured (each with each refresh).")
 _PUZZLES = flags.DEFINE_integer("puzzles", 200, "Held-out Sudoku puzzles.")
 _SUDOKU_BATCHES = flags.DEFINE_list("sudoku_batch_sizes", ["1", "16"], "Sudoku batch sizes.")
 _PROMPTS = flags.DEFINE_string("prompts", str(runs.PROMPTS / "validation.jsonl"), "Text prompts (JSONL).")
@@ -51,8 +53,10 @@ _ALLOW_LOAD = flags.DEFINE_bool("allow_load", False, "Time on a loaded machine a
 
 def _variants(sampler) -> dict:
   out = {"exact": sampler}
-  for k in map(int, _REFRESH.value):
-    out[f"reuse, refresh {k}"] = sampler.replace(config=sampler.config.replace(reuse="settled", reuse_refresh=k))
+  for d in map(int, _DELAY.value):
+    for k in map(int, _REFRESH.value):
+      name = f"reuse, refresh {k}" + (f", delay {d}" if d != 1 else "")
+      out[name] = sampler.replace(config=sampler.config.replace(reuse="settled", reuse_refresh=k, reuse_delay=d))
   return out
 
 
@@ -141,7 +145,8 @@ def main(argv):
   machine.update(matmul_peak_gflops=timing.matmul_peak_flops() / 1e9, load_average_after=list(os.getloadavg()),
                  warnings=warnings)
   result["machine"] = machine
-  result["settings"] = {"refresh": [int(k) for k in _REFRESH.value], "puzzles": _PUZZLES.value,
+  result["settings"] = {"refresh": [int(k) for k in _REFRESH.value], "delay": [int(d) for d in _DELAY.value],
+                        "puzzles": _PUZZLES.value,
                         "prompts": _PROMPTS.value, "num_prompts": _NUM_PROMPTS.value, "repeats": repeats}
   out = pathlib.Path(_OUTPUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)

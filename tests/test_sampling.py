@@ -530,12 +530,13 @@ def test_reuse_with_a_refresh_every_pass_is_exact_and_one_program(model, params)
   assert (np.asarray(first.tokens) != np.asarray(exact.tokens)).any()
 
 
-def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, params):
+@pytest.mark.parametrize("delay, widths", [(1, 8), (2, 2)])
+def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, params, delay, widths):
   """Step by step (a Python loop of `steps.denoise_step`): a reusing pass gives the slots it recomputes what
   a pass over those slots alone gives them (no padding, the other slots' stored keys and values), stores
   their fresh keys and values (at layer 0, those of a whole pass: they depend on the slot alone), leaves the
-  other slots' as they were, and settles a slot once it was computed while fixed."""
-  sampler = _masked_sampler(model, reuse="settled")
+  other slots' as they were, and settles a slot once `reuse_delay` passes computed it while fixed."""
+  sampler = _masked_sampler(model, reuse="settled", reuse_delay=delay, reuse_widths=widths)
   variables = {"params": params}
   prompt = jnp.asarray(_prompts(13), jnp.int32)
   cache = jax.jit(lambda p: model.apply(variables, p, dg.KVCache.empty(TINY, B, 8), method=model.encode)[1])(prompt)
@@ -552,9 +553,10 @@ def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, 
   every = jnp.broadcast_to(jnp.arange(TINY.canvas_length), state.canvas.shape)
   whole = jax.jit(lambda s: denoiser.subset(s.canvas, every, s.sc_embedding, s.has_sc, s.done, s.reuse.keys,
                                             s.reuse.values)[1][0])
-  reused = 0
+  reused = recomputed_fixed = 0
   while bool(steps.should_continue(sampler.rules, state)):
-    computed = (~np.asarray(state.reuse.settled) | (int(state.step) == 0)) & ~np.asarray(state.done)[:, None]
+    settled = np.asarray(state.reuse.fixed_passes) >= delay
+    computed = (~settled | (int(state.step) == 0)) & ~np.asarray(state.done)[:, None]
     after = step(state)
     if 0 < computed[0].sum() < TINY.canvas_length:  # row 0 reuses some slots at this pass
       slots = np.flatnonzero(computed[0])
@@ -566,11 +568,13 @@ def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, 
                                atol=1e-5)
     for new, old in zip(after.reuse.keys + after.reuse.values, state.reuse.keys + state.reuse.values):
       np.testing.assert_array_equal(np.asarray(new)[~computed], np.asarray(old)[~computed])
-    np.testing.assert_array_equal(after.reuse.settled, np.asarray(state.reuse.settled)
-                                  | (computed & np.asarray(state.fixed)))
+    np.testing.assert_array_equal(after.reuse.fixed_passes, np.asarray(state.reuse.fixed_passes)
+                                  + (computed & np.asarray(state.fixed)))
     reused += int((~computed).sum())
+    recomputed_fixed = max(recomputed_fixed, int(np.asarray(after.reuse.fixed_passes)[~np.asarray(after.done)].max(
+        initial=0)))
     state = after
-  assert reused > 0
+  assert reused > 0 and recomputed_fixed >= delay  # a slot was computed `delay` times while fixed
 
 
 def test_reuse_settings_are_checked(model):
@@ -580,6 +584,7 @@ def test_reuse_settings_are_checked(model):
   for changes, message in ((dict(reuse="all"), "SamplerConfig.reuse='all' is invalid"),
                            (dict(reuse_refresh=-1), "SamplerConfig.reuse_refresh=-1 is invalid"),
                            (dict(reuse_widths=0), "SamplerConfig.reuse_widths=0 is invalid"),
+                           (dict(reuse_delay=0), "SamplerConfig.reuse_delay=0 is invalid"),
                            (dict(draw="best"), "SamplerConfig.draw='best' is invalid"),
                            (dict(fuse_commit=1), "SamplerConfig.fuse_commit=1 is invalid")):
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -47,7 +47,10 @@ class SamplerConfig:
     (masked). reuse_refresh: with "settled", a whole pass every this many passes (0: only the first).
     reuse_widths: with "settled", how many static widths a pass may take: the canvas in that many equal
     steps (at least 4 positions; 1: every pass is as wide as the canvas). More widths fit the positions a
-    pass recomputes more closely, and each is one more model pass to compile.
+    pass recomputes more closely, and each is one more model pass to compile. reuse_delay: with
+    "settled", how many passes compute a position while its token is fixed before later ones reuse it (1:
+    the first; 2: dKV-Cache's delayed caching, as a token's keys and values still move on the pass after
+    it is placed).
   """
 
   max_denoising_steps: int = 48
@@ -66,6 +69,7 @@ class SamplerConfig:
   reuse: str = "none"
   reuse_refresh: int = 0
   reuse_widths: int = 8
+  reuse_delay: int = 1
 
   def __post_init__(self):
     if self.stop_tokens is not None:
@@ -107,6 +111,8 @@ class SamplerConfig:
       fail("reuse_refresh", "must be an integer >= 0 (0: no refresh after the first pass)")
     if not is_int(self.reuse_widths) or not 1 <= self.reuse_widths <= 64:
       fail("reuse_widths", "must be an integer from 1 to 64")
+    if not is_int(self.reuse_delay) or not 1 <= self.reuse_delay <= 8:
+      fail("reuse_delay", "must be an integer from 1 to 8")
     if not isinstance(self.fuse_commit, bool):
       fail("fuse_commit", "must be True or False")
     if self.draw not in DRAWS:

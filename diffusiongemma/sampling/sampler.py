@@ -367,7 +367,8 @@ class Sampler:
           variables, tokens, slots, cache, keys, values, self_conditioning_embedding=sc,
           self_conditioning_mask=mask, skip_rows=done, method=model.denoise_subset)
     return steps.Denoiser(hidden, self.head, model.apply(variables, method=model.embedding_table), subset=subset,
-                          widths=self.reuse_widths, refresh=self.config.reuse_refresh)
+                          widths=self.reuse_widths, refresh=self.config.reuse_refresh,
+                          delay=self.config.reuse_delay)
 
   @property
   def reuse_widths(self) -> tuple[int, ...]:

@@ -61,31 +61,36 @@ class Denoiser:
   constraint: Any = None  # e.g. `sampling.constrained.CanvasConstraint`, whose `sample_step` is used
   # With reuse (`SamplerConfig.reuse`): `subset(tokens [B, W], slots [B, W], self-conditioning [B, W, D], its
   # row mask, done rows, canvas keys, canvas values) -> (hidden [B, W, D], keys, values)`, the widths W a
-  # pass may take (ascending, the last the whole canvas) and the refresh period (a whole pass every
-  # `refresh` passes; 0: only the first).
+  # pass may take (ascending, the last the whole canvas), the refresh period (a whole pass every
+  # `refresh` passes; 0: only the first) and the passes a slot is computed while fixed before it settles.
   subset: Callable | None = None
   widths: tuple[int, ...] = ()
   refresh: int = 0
+  delay: int = 1
   temperature_scale: Array | None = None  # [B] float32
 
 
 @flax.struct.dataclass
 class Reuse:
   """What a pass that reuses settled positions carries (`SamplerConfig.reuse="settled"`): every canvas
-  slot's keys and values per layer [B, C, K, H] and final hidden state [B, C, D] as last computed, and
-  which slots are settled [B, C] (computed since their token was fixed: passes leave them out)."""
+  slot's keys and values per layer [B, C, K, H] and final hidden state [B, C, D] as last computed, and how
+  many passes computed each slot while its token was fixed [B, C] int32 (a slot settles, and passes leave
+  it out, once that reaches the denoiser's `delay`)."""
 
   keys: tuple[Array, ...]
   values: tuple[Array, ...]
   hidden: Array
-  settled: Array
+  fixed_passes: Array
+
+  def settled(self, delay: int) -> Array:
+    return self.fixed_passes >= delay
 
   @classmethod
   def empty(cls, layer_dims: Sequence[tuple[int, int]], batch: int, canvas: int, hidden_size: int, dtype
             ) -> "Reuse":
     kv = lambda: tuple(jnp.zeros((batch, canvas, k, h), dtype) for k, h in layer_dims)
     return cls(keys=kv(), values=kv(), hidden=jnp.zeros((batch, canvas, hidden_size), dtype),
-               settled=jnp.zeros((batch, canvas), bool))
+               fixed_passes=jnp.zeros((batch, canvas), jnp.int32))
 
 
 @flax.struct.dataclass
@@ -211,7 +216,7 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   elif hidden is None:
     hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
   elif reuse is not None:  # a whole pass the caller ran, its keys and values already in `state.reuse`
-    reuse = reuse.replace(hidden=hidden, settled=reuse.settled | state.fixed)
+    reuse = reuse.replace(hidden=hidden, fixed_passes=reuse.fixed_passes + state.fixed)
   sample_step = plain_sample_step if denoiser.constraint is None else denoiser.constraint.sample_step
   out = sample_step(rules, denoiser, state, hidden, temp, uniforms, noise_keys)
   stats, accepted, canvas, fixed, argmax = out.stats, out.accepted, out.canvas, out.fixed, out.argmax
@@ -246,13 +251,14 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
   passes), gathered into the narrowest of `denoiser.widths` that holds every row's (rows that are done
   need none and keep everything; a row with fewer fills its extra slots with copies of its first, whose
   results are the same); they attend to the other slots through the keys and values those had when last
-  computed, and the settled slots keep their last hidden state. A slot is settled once it has been
-  computed while fixed (its token final), so each accepted token is recomputed once with itself in place
-  before it is reused.
+  computed, and the settled slots keep their last hidden state. A slot settles once `denoiser.delay` passes
+  have computed it while fixed (its token final): each accepted token is recomputed at least once with
+  itself in place before it is reused (twice with delay 2: its keys and values still move on the pass after
+  it is placed, dKV-Cache's delayed caching).
   """
   reuse, c = state.reuse, state.canvas.shape[1]
   full = (state.step == 0) | ((denoiser.refresh > 0) & (state.step % max(denoiser.refresh, 1) == 0))
-  compute = (~reuse.settled | full) & ~state.done[:, None]  # [B, C]
+  compute = (~reuse.settled(denoiser.delay) | full) & ~state.done[:, None]  # [B, C]
   count = compute.sum(-1)  # [B]
   order = jnp.argsort(~compute, axis=-1, stable=True)  # the slots to compute first, in order
   rows = jnp.arange(state.canvas.shape[0])[:, None]
@@ -275,7 +281,7 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
   branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(count), side="left")
   branch = jnp.where(full, len(widths) - 1, jnp.minimum(branch, len(widths) - 1))
   reuse = jax.lax.switch(branch, [at_width(w) for w in widths], reuse)
-  return reuse.hidden, reuse.replace(settled=reuse.settled | (compute & state.fixed))
+  return reuse.hidden, reuse.replace(fixed_passes=reuse.fixed_passes + (compute & state.fixed))
 
 
 def should_continue(rules: Rules, state: DenoiseState) -> Array:
