@@ -256,7 +256,7 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
   itself in place before it is reused (twice with delay 2: its keys and values still move on the pass after
   it is placed, dKV-Cache's delayed caching).
   """
-  reuse, c = state.reuse, state.canvas.shape[1]
+  reuse = state.reuse
   full = (state.step == 0) | ((denoiser.refresh > 0) & (state.step % max(denoiser.refresh, 1) == 0))
   compute = (~reuse.settled(denoiser.delay) | full) & ~state.done[:, None]  # [B, C]
   count = compute.sum(-1)  # [B]
