@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import time
 
 from absl import app
 from absl import flags
@@ -60,18 +59,6 @@ def _variants(sampler) -> dict:
   return out
 
 
-def _alternated(calls: dict, repeats: int) -> dict:
-  """name -> (best seconds, last output) of each call, the calls run in turns after one warm-up each."""
-  outputs = {name: fn() for name, fn in calls.items()}  # compile
-  best = {name: float("inf") for name in calls}
-  for _ in range(repeats):
-    for name, fn in calls.items():
-      start = time.perf_counter()
-      outputs[name] = fn()
-      best[name] = min(best[name], time.perf_counter() - start)
-  return {name: (best[name], outputs[name]) for name in calls}
-
-
 def sudoku_runs(config, variables, provenance, batch_sizes, repeats) -> list[dict]:
   puzzles, _ = sudoku.generate_many(_PUZZLES.value, (36, 37, 38, 39, 40), seed=0, split="validation")
   out = []
@@ -79,7 +66,8 @@ def sudoku_runs(config, variables, provenance, batch_sizes, repeats) -> list[dic
     variants = _variants(build.sampler(config))
     calls = {name: (lambda s=s: solve.solve(s, variables, puzzles, batch_size=b).summary())
              for name, s in variants.items()}
-    for name, (seconds, summary) in _alternated(calls, repeats).items():
+    for name, t in timing.alternate_all(calls, repeats).items():
+      seconds, summary = t.best, t.output
       out.append({"batch_size": b, "variant": name, "seconds": seconds, "puzzles_per_s": len(puzzles) / seconds,
                   **{k: summary[k] for k in ("solve_rate", "passes_per_puzzle", "tokens_per_forward")},
                   "sampler": variants[name].settings(), "weights": f"shipped Sudoku, step {provenance['step']}"})
@@ -92,7 +80,8 @@ def text_runs(run: runs.TextModel, batch_sizes, repeats) -> list[dict]:
   for b in batch_sizes:
     variants = _variants(run.sampler())
     calls = {name: (lambda s=s: runs.diffusion(s, run.variables, prompts, 128, b)) for name, s in variants.items()}
-    for name, (seconds, (continuations, passes)) in _alternated(calls, repeats).items():
+    for name, t in timing.alternate_all(calls, repeats).items():
+      seconds, (continuations, passes) = t.best, t.output
       q = runs.quality(run, prompts, continuations)
       out.append({"batch_size": b, "variant": name, "seconds": seconds, "tokens_per_second": q["new_tokens"] / seconds,
                   "tokens_per_pass": q["new_tokens"] / max(int(passes.sum()), 1), **q,
@@ -122,13 +111,7 @@ def pass_cost(sampler, variables, prompt_length: int) -> list[dict]:
 def main(argv):
   del argv
   machine = timing.provenance(_ROOT)
-  load = machine["load_average"][0]
-  warnings = []
-  if load > _MAX_LOAD.value:
-    message = f"LOADED MACHINE: 1-minute load average {load:.2f} > {_MAX_LOAD.value} before the start."
-    if not _ALLOW_LOAD.value:
-      raise SystemExit(f"Refusing to time. {message} Pass --allow_load to run anyway.")
-    warnings.append(message)
+  warnings = timing.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
   repeats = _REPEATS.value
   sudoku_config, sudoku_variables, provenance = sudoku_weights.load(sudoku_weights.DIFFUSION)
   run = runs.load(_TEXT_WORKDIR.value)

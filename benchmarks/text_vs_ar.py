@@ -78,21 +78,10 @@ def _overrides(items) -> dict:
   return out
 
 
-def _check_load(machine: dict) -> list[str]:
-  load = machine["load_average"][0]
-  if load <= _MAX_LOAD.value:
-    return []
-  message = (f"LOADED MACHINE: 1-minute load average {load:.2f} > {_MAX_LOAD.value} before the start; "
-             "timings and their ratio are not results.")
-  if not _ALLOW_LOAD.value:
-    raise SystemExit(f"Refusing to time. {message} Wait for a quiet machine, or pass --allow_load.")
-  return [message]
-
-
 def main(argv):
   del argv
   machine = measure.provenance(_ROOT)  # the load average before anything starts
-  warnings = _check_load(machine)
+  warnings = timing.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
   run = runs.load(_WORKDIR.value, _WEIGHTS.value)
   prompts = runs.read_prompts(_PROMPTS.value, run.tokenizer, _MAX_PROMPT.value, _NUM_PROMPTS.value or None)
   sampler, ar = run.sampler(**_overrides(_SAMPLER.value)), run.ar_sampler()

@@ -67,9 +67,14 @@ def time_call(fn: Callable, *args, repeats: int = 1, **kwargs) -> Timing:
 def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) -> tuple[Timing, Timing]:
   """Times two competitors in turns, so that a change in the machine's load hits both alike: one first call
   of each (compiling, warming up), then ours, theirs, ours, theirs, ... `repeats` times each."""
+  timings = alternate_all({"ours": ours, "theirs": theirs}, repeats)
+  return timings["ours"], timings["theirs"]
+
+
+def alternate_all(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
+  """`alternate` of any number of calls: one first call of each, then each in turn, `repeats` times."""
   if repeats < 1:
     raise ValueError(f"repeats={repeats} must be >= 1.")
-  calls = {"ours": ours, "theirs": theirs}
   firsts, runs, outputs = {}, {name: [] for name in calls}, {}
   for name, fn in calls.items():
     start = time.perf_counter()
@@ -80,7 +85,21 @@ def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) 
       start = time.perf_counter()
       outputs[name] = jax.block_until_ready(fn())
       runs[name].append(time.perf_counter() - start)
-  return tuple(Timing(outputs[name], firsts[name], runs[name]) for name in calls)
+  return {name: Timing(outputs[name], firsts[name], runs[name]) for name in calls}
+
+
+def loaded_machine(machine: dict[str, Any], max_load: float, allow: bool) -> list[str]:
+  """The warnings a timing run writes into its JSON: none on a quiet machine (1-minute load average of
+  `provenance` at most `max_load`); above it, SystemExit unless `allow`, then one loud warning."""
+  load = machine["load_average"][0]
+  if load <= max_load:
+    return []
+  message = (f"LOADED MACHINE: 1-minute load average {load:.2f} > {max_load} before the start; "
+             "timings and their ratio are not results.")
+  if not allow:
+    raise SystemExit(f"Refusing to time. {message} Wait for a quiet machine, or pass --allow_load.")
+  print(f"WARNING: {message}", flush=True)
+  return [message]
 
 
 def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:

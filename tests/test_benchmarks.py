@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from benchmarks import batching
 from benchmarks import measure
+from diffusiongemma import timing
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -22,6 +24,22 @@ def test_alternate_takes_turns_after_one_first_call_each():
   assert (ours.output, theirs.output, len(ours.runs), len(theirs.runs)) == (1, 2, 3, 3)
   with pytest.raises(ValueError, match="repeats=0"):
     measure.alternate(lambda: 1, lambda: 2, 0)
+
+
+def test_a_loaded_machine_is_refused_or_warned_in_the_json():
+  quiet, loaded = {"load_average": [0.2, 0.0, 0.0]}, {"load_average": [1.7, 0.0, 0.0]}
+  assert timing.loaded_machine(quiet, 0.5, allow=False) == []
+  with pytest.raises(SystemExit, match="Refusing to time. LOADED MACHINE: 1-minute load average 1.70 > 0.5"):
+    timing.loaded_machine(loaded, 0.5, allow=False)
+  (warning,) = timing.loaded_machine(loaded, 0.5, allow=True)
+  assert warning.startswith("LOADED MACHINE") and "not results" in warning
+
+
+def test_batching_shapes_are_parsed_or_refused_by_name():
+  assert [batching.parse_shape(s) for s in ("64x2", "1024X64")] == [(64, 2), (1024, 64)]
+  for bad in ("64", "64x0", "x8", "64x2x1", "-4x2", "64xtwo"):
+    with pytest.raises(ValueError, match=f"PROMPTxCANVASES .* got '{bad}'"):
+      batching.parse_shape(bad)
 
 
 def test_matmuls_alone_counts_every_dot_once_per_run():
