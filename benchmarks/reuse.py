@@ -6,7 +6,9 @@ r"""Reusing settled positions (`SamplerConfig.reuse="settled"`) against exact de
   `--sudoku_batch_sizes`;
 - text (the shipped text weights or `--text_workdir`, the prompts of `--prompts`, 128 new tokens): tokens
   per pass, judged perplexity (the same weights' AR mode) and tokens/s of exact decoding and of reuse at
-  each refresh and delay, at each of `--text_batch_sizes`;
+  each refresh and delay, at each of `--text_batch_sizes`, and the canvas positions the passes computed
+  (`SampleOutput.denoised_positions`: their share of the canvas, and exact's over the variant's, the
+  speedup if a pass cost its positions alone);
 - a pass's cost against how much of the canvas it recomputes: one pass at each width the sampler may take
   (`Sampler.reuse_widths`), timed alone, for both models at batch 1.
 Exact and reuse runs are alternated `--repeats` times (best kept). The machine must be quiet (`--max_load`,
@@ -83,8 +85,11 @@ def text_runs(run: runs.TextModel, batch_sizes, repeats) -> list[dict]:
     for name, t in timing.alternate_all(calls, repeats).items():
       seconds, (continuations, passes) = t.best, t.output
       q = runs.quality(run, prompts, continuations)
+      positions = int(runs.denoised_positions(variants[name], run.variables, prompts, 128, b).sum())
+      num_passes = max(int(passes.sum()), 1)
       out.append({"batch_size": b, "variant": name, "seconds": seconds, "tokens_per_second": q["new_tokens"] / seconds,
-                  "tokens_per_pass": q["new_tokens"] / max(int(passes.sum()), 1), **q,
+                  "tokens_per_pass": q["new_tokens"] / num_passes, **q, "denoised_positions": positions,
+                  "recomputed_fraction": positions / num_passes / variants[name].canvas_length,
                   "sampler": variants[name].settings(), "weights": run.source})
   return out
 
@@ -125,6 +130,8 @@ def main(argv):
     for row in rows:
       exact = next(r for r in rows if r["batch_size"] == row["batch_size"] and r["variant"] == "exact")
       row["speedup_over_exact"] = exact["seconds"] / row["seconds"]
+      if "denoised_positions" in row:  # the speedup if a pass cost its positions alone
+        row["positions_speedup"] = exact["denoised_positions"] / row["denoised_positions"]
   machine.update(matmul_peak_gflops=timing.matmul_peak_flops() / 1e9, load_average_after=list(os.getloadavg()),
                  warnings=warnings)
   result["machine"] = machine

@@ -39,6 +39,7 @@ from absl import flags
 import numpy as np
 
 from benchmarks import measure
+from diffusiongemma import timing as timing_lib
 from projects.text import runs
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -81,7 +82,7 @@ def _overrides(items) -> dict:
 def main(argv):
   del argv
   machine = measure.provenance(_ROOT)  # the load average before anything starts
-  warnings = timing.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
+  warnings = timing_lib.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
   run = runs.load(_WORKDIR.value, _WEIGHTS.value)
   prompts = runs.read_prompts(_PROMPTS.value, run.tokenizer, _MAX_PROMPT.value, _NUM_PROMPTS.value or None)
   sampler, ar = run.sampler(**_overrides(_SAMPLER.value)), run.ar_sampler()

@@ -522,6 +522,8 @@ def test_reuse_with_a_refresh_every_pass_is_exact_and_one_program(model, params)
     out = every.generate(params, prompts, keys, **kwargs)
     np.testing.assert_array_equal(out.tokens, exact.tokens)
     np.testing.assert_array_equal(out.canvas_passes, exact.canvas_passes)
+    np.testing.assert_array_equal(out.denoised_positions, exact.denoised_positions)
+  np.testing.assert_array_equal(exact.denoised_positions, exact.num_denoiser_passes * TINY.canvas_length)
   before = compiled_programs()
   settled = _masked_sampler(model, reuse="settled")
   first = settled.generate(params, prompts, keys, **kwargs)
@@ -554,6 +556,7 @@ def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, 
   whole = jax.jit(lambda s: denoiser.subset(s.canvas, every, s.sc_embedding, s.has_sc, s.done, s.reuse.keys,
                                             s.reuse.values)[1][0])
   reused = recomputed_fixed = 0
+  narrower = False
   while bool(steps.should_continue(sampler.rules, state)):
     settled = np.asarray(state.reuse.fixed_passes) >= delay
     computed = (~settled | (int(state.step) == 0)) & ~np.asarray(state.done)[:, None]
@@ -570,11 +573,15 @@ def test_reused_keys_and_values_are_those_of_the_pass_that_computed_them(model, 
       np.testing.assert_array_equal(np.asarray(new)[~computed], np.asarray(old)[~computed])
     np.testing.assert_array_equal(after.reuse.fixed_passes, np.asarray(state.reuse.fixed_passes)
                                   + (computed & np.asarray(state.fixed)))
+    width = min(w for w in sampler.reuse_widths if w >= computed.sum(-1).max())  # the narrowest that holds all
+    np.testing.assert_array_equal(after.positions, state.positions + np.where(state.done, 0, width))
     reused += int((~computed).sum())
+    narrower |= width < TINY.canvas_length
     recomputed_fixed = max(recomputed_fixed, int(np.asarray(after.reuse.fixed_passes)[~np.asarray(after.done)].max(
         initial=0)))
     state = after
   assert reused > 0 and recomputed_fixed >= delay  # a slot was computed `delay` times while fixed
+  assert narrower or delay == 2  # a pass computed fewer positions than the canvas (with 8 widths)
 
 
 def test_reuse_settings_are_checked(model):

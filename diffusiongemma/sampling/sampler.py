@@ -44,6 +44,8 @@ class SampleOutput:
   tokens_per_forward [B]: the row's new (non-pad) tokens / its denoiser passes (the reference's
     definition; `sampling.stats` names the run-level summaries); with `given`, given positions are not new.
   canvas_passes [B, K]: denoiser passes (steps) per canvas; 0 for canvases after a row finished.
+  denoised_positions [B]: canvas positions those passes computed, the work they cost: C per pass, fewer
+    where a pass reused settled positions (`SamplerConfig.reuse`: the pass's width).
   trace: with `return_trace`, a `StepTrace` of [K, N, B, C] arrays (argmax canvas, canvas after
     re-noising, accepted positions) for every step; else None.
   cache: with `return_cache`, the KV cache after the call: the prompt and every committed canvas but the
@@ -54,6 +56,7 @@ class SampleOutput:
   num_denoiser_passes: Array
   tokens_per_forward: Array
   canvas_passes: Array
+  denoised_positions: Array
   trace: steps.StepTrace | None = None
   cache: KVCache | None = None
 
@@ -67,6 +70,7 @@ class _CanvasLoop:
   tokens: Array  # [B, K * C] committed tokens so far (pad elsewhere)
   finished: Array  # [B] bool: the row produced a stop token
   canvas_passes: Array  # [B, K] int32
+  positions: Array  # [B] int32: canvas positions the denoiser computed
   trace: steps.StepTrace | None
   automaton_state: Array | None  # [B] int32 with a constraint: the state after the committed canvases
   pending: Array | None  # [B, C] with `fuse_commit`: the last committed canvas, not yet in the cache
@@ -472,11 +476,13 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
         tokens=jax.lax.dynamic_update_slice_in_dim(loop.tokens, committed, k * c, axis=1),
         finished=loop.finished | is_stop.any(axis=-1),
         canvas_passes=loop.canvas_passes.at[:, k].set(state.passes),
+        positions=loop.positions + state.positions,
         trace=trace, automaton_state=automaton_state, pending=committed if fuse else None)
 
   loop = _CanvasLoop(
       index=jnp.zeros((), jnp.int32), cache=cache, tokens=jnp.full((b, num_canvases * c), mc.pad_id, jnp.int32),
       finished=jnp.zeros((b,), bool), canvas_passes=jnp.zeros((b, num_canvases), jnp.int32),
+      positions=jnp.zeros((b,), jnp.int32),
       trace=steps.StepTrace.zeros((num_canvases, rules.max_denoising_steps, b, c)) if return_trace else None,
       automaton_state=None if constraint is None else jnp.full((b,), constraint.automaton.start, jnp.int32),
       pending=jnp.full((b, c), mc.pad_id, jnp.int32) if fuse else None)
@@ -490,6 +496,7 @@ def _program(sampler: Sampler, variables, prompt, lengths, initial, num_given, k
   valid = jnp.sum(new if given is None else new & ~given, axis=-1)
   return SampleOutput(tokens=loop.tokens, num_denoiser_passes=passes,
                       tokens_per_forward=valid / jnp.maximum(passes, 1), canvas_passes=loop.canvas_passes,
+                      denoised_positions=loop.positions,
                       trace=loop.trace, cache=loop.cache if return_cache else None)
 
 

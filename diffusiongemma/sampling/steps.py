@@ -106,6 +106,7 @@ class DenoiseState:
   fixed: Array  # [B, C] bool: positions that may no longer change (masked noise: unmasked ones)
   done: Array  # [B] bool
   passes: Array  # [B] int32: denoiser passes that counted for this row
+  positions: Array  # [B] int32: canvas positions those passes computed (C each; with reuse, the pass's width)
   accepted: Array  # [B, C] bool: positions accepted by the last step
   reuse: Reuse | None = None  # with `SamplerConfig.reuse="settled"`
 
@@ -152,6 +153,7 @@ def init_state(rules: Rules, canvas: Array, done: Array, hidden_size: int, dtype
              else rules.noise.initial_fixed(canvas) | given),
       done=done,
       passes=jnp.zeros((b,), jnp.int32),
+      positions=jnp.zeros((b,), jnp.int32),
       accepted=jnp.zeros((b, c), bool),
   )
 
@@ -210,9 +212,9 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
   uniforms = vocab.uniforms(sample_keys, c)  # [B, C]
   if rules.greedy:  # u = 0 < every top probability: each draw is its argmax
     uniforms = jnp.zeros_like(uniforms)
-  reuse = state.reuse
+  reuse, width = state.reuse, c
   if hidden is None and reuse is not None:
-    hidden, reuse = reuse_pass(denoiser, state)
+    hidden, reuse, width = reuse_pass(denoiser, state)
   elif hidden is None:
     hidden = denoiser.hidden(state.canvas, state.sc_embedding, state.has_sc, state.done)  # [B, C, D]
   elif reuse is not None:  # a whole pass the caller ran, its keys and values already in `state.reuse`
@@ -239,13 +241,15 @@ def denoise_step(rules: Rules, denoiser: Denoiser, state: DenoiseState, keys: Ar
       fixed=fixed,
       done=done | stop,
       passes=state.passes + (~done).astype(jnp.int32),
+      positions=state.positions + jnp.where(done, 0, width),
       accepted=accepted & ~keep,
       reuse=reuse,
   )
 
 
-def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
-  """The pass of a sampler that reuses settled positions: (hidden [B, C, D], the reuse state after it).
+def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse, Array]:
+  """The pass of a sampler that reuses settled positions: (hidden [B, C, D], the reuse state after it, the
+  width it computed []).
 
   Slots not yet settled are recomputed (all of them on the first pass and every `denoiser.refresh`
   passes), gathered into the narrowest of `denoiser.widths` that holds every row's (rows that are done
@@ -281,7 +285,8 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse]:
   branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(count), side="left")
   branch = jnp.where(full, len(widths) - 1, jnp.minimum(branch, len(widths) - 1))
   reuse = jax.lax.switch(branch, [at_width(w) for w in widths], reuse)
-  return reuse.hidden, reuse.replace(fixed_passes=reuse.fixed_passes + (compute & state.fixed))
+  return (reuse.hidden, reuse.replace(fixed_passes=reuse.fixed_passes + (compute & state.fixed)),
+          jnp.asarray(widths, jnp.int32)[branch])
 
 
 def should_continue(rules: Rules, state: DenoiseState) -> Array:

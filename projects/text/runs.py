@@ -107,16 +107,29 @@ def _batches(prompts: Sequence[Sequence[int]], batch_size: int):
     yield tokens, lengths, real
 
 
+def _generated(sampler: dg.Sampler, variables, prompts, max_new_tokens: int, batch_size: int, seed: int):
+  """(`generate`'s output, real rows) per batch of `prompts`, batch i drawn with key seed + i."""
+  for i, (tokens, lengths, real) in enumerate(_batches(prompts, batch_size)):
+    yield sampler.generate(variables, tokens, jax.random.key(seed + i), max_new_tokens, prompt_lengths=lengths), real
+
+
 def diffusion(sampler: dg.Sampler, variables, prompts, max_new_tokens: int, batch_size: int, seed: int = 0
               ) -> tuple[list[list[int]], np.ndarray]:
   """(each prompt's new tokens up to and including its stop token, its denoiser passes [N])."""
   out, passes = [], []
-  for i, (tokens, lengths, real) in enumerate(_batches(prompts, batch_size)):
-    result = sampler.generate(variables, tokens, jax.random.key(seed + i), max_new_tokens, prompt_lengths=lengths)
+  for result, real in _generated(sampler, variables, prompts, max_new_tokens, batch_size, seed):
     rows = np.asarray(result.tokens)[:real]
     out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id) for row in rows]
     passes.append(np.asarray(result.num_denoiser_passes)[:real])
   return out, np.concatenate(passes)
+
+
+def denoised_positions(sampler: dg.Sampler, variables, prompts, max_new_tokens: int, batch_size: int,
+                       seed: int = 0) -> np.ndarray:
+  """The canvas positions the denoiser computed for each prompt [N] in `diffusion`'s generation (the same
+  calls and keys): passes x canvas, fewer where passes reused settled positions."""
+  return np.concatenate([np.asarray(result.denoised_positions)[:real]
+                         for result, real in _generated(sampler, variables, prompts, max_new_tokens, batch_size, seed)])
 
 
 def speculative(sampler, variables, prompts, max_new_tokens: int, batch_size: int
