@@ -99,8 +99,8 @@ def main(argv):
             "best_over_batch_1": max(r["over_batch_1"] for r in rows if r["batch_size"] == largest),
             "machine": machine,
             "settings": {"hf_checkpoint": pathlib.Path(_HF.value).resolve().name, "dtype": _DTYPE.value,
-                         "shapes": _SHAPES.value, "batch_sizes": batch_sizes, "repeats": _REPEATS.value, "on_pass": "a listener that does nothing",
-                         "sampler": sampler.settings()}}
+                         "shapes": _SHAPES.value, "batch_sizes": batch_sizes, "repeats": _REPEATS.value,
+                         "on_pass": "a listener that does nothing", "sampler": sampler.settings()}}
   out = pathlib.Path(_OUTPUT.value)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=2) + "\n")

@@ -71,7 +71,7 @@ def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int) 
   return timings["ours"], timings["theirs"]
 
 
-def alternate_all(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, Timing]:
+def alternate_all(calls: dict[Any, Callable[[], Any]], repeats: int) -> dict[Any, Timing]:
   """`alternate` of any number of calls: one first call of each, then each in turn, `repeats` times."""
   if repeats < 1:
     raise ValueError(f"repeats={repeats} must be >= 1.")
