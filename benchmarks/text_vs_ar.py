@@ -39,7 +39,7 @@ from absl import flags
 import numpy as np
 
 from benchmarks import measure
-from diffusiongemma import timing as timing_lib
+from diffusiongemma import timing
 from projects.text import runs
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def _overrides(items) -> dict:
 def main(argv):
   del argv
   machine = measure.provenance(_ROOT)  # the load average before anything starts
-  warnings = timing_lib.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
+  warnings = timing.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
   run = runs.load(_WORKDIR.value, _WEIGHTS.value)
   prompts = runs.read_prompts(_PROMPTS.value, run.tokenizer, _MAX_PROMPT.value, _NUM_PROMPTS.value or None)
   sampler, ar = run.sampler(**_overrides(_SAMPLER.value)), run.ar_sampler()
@@ -120,7 +120,7 @@ def main(argv):
   result["example"] = {"prompt": run.tokenizer.decode(prompts[0]), "diffusion": run.tokenizer.decode(cont_d[0]),
                        "ar": run.tokenizer.decode(cont_a[0])}
 
-  timing = prompts[:_TIMING_PROMPTS.value]
+  timed = prompts[:_TIMING_PROMPTS.value]
   for key in ("tokens_per_second", "tokens_per_second_median", "seconds", "compile_seconds", "timed_new_tokens"):
     result["diffusion"][key], result["ar"][key] = {}, {}
   result["speedup"] = {}
@@ -128,10 +128,10 @@ def main(argv):
     outputs = {}
 
     def decode_diffusion(b=b):
-      outputs["diffusion"] = decode(timing, b)[0]
+      outputs["diffusion"] = decode(timed, b)[0]
 
     def decode_ar(b=b):
-      outputs["ar"] = runs.autoregressive(ar, run.variables, timing, new, b)
+      outputs["ar"] = runs.autoregressive(ar, run.variables, timed, new, b)
 
     t_d, t_a = measure.alternate(decode_diffusion, decode_ar, _REPEATS.value)
     for name, t in (("diffusion", t_d), ("ar", t_a)):

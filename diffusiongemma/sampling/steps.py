@@ -282,11 +282,12 @@ def reuse_pass(denoiser: Denoiser, state: DenoiseState) -> tuple[Array, Reuse, A
     return run
 
   widths = denoiser.widths
-  branch = jnp.searchsorted(jnp.asarray(widths), jnp.max(count), side="left")
+  sizes = jnp.asarray(widths, jnp.int32)
+  branch = jnp.searchsorted(sizes, jnp.max(count), side="left")
   branch = jnp.where(full, len(widths) - 1, jnp.minimum(branch, len(widths) - 1))
   reuse = jax.lax.switch(branch, [at_width(w) for w in widths], reuse)
   return (reuse.hidden, reuse.replace(fixed_passes=reuse.fixed_passes + (compute & state.fixed)),
-          jnp.asarray(widths, jnp.int32)[branch])
+          sizes[branch])
 
 
 def should_continue(rules: Rules, state: DenoiseState) -> Array:
