@@ -290,17 +290,51 @@ def test_state_restore_gives_identical_batches():
   _assert_batches_equal(_take(restored, 50), expected)
 
 
-def test_shards_are_disjoint_equal_and_cover_the_windows():
-  tokens = np.arange(1000, dtype=np.int32)  # 90 windows: 30 per shard.
-  shards = [np.concatenate([b["tokens"][:, 0] for b in
-                            _make(tokens, train=False, shard_index=i, shard_count=3)])
-            for i in range(3)]
-  assert all(s.size == 30 for s in shards)
-  starts = np.concatenate(shards)
-  assert len(set(starts.tolist())) == 90
-  train_shard = np.concatenate([b["tokens"][:, 0] for b in _take(
-      iter(_make(tokens, train=True, shard_index=1, shard_count=3)), 15)])
-  assert set(train_shard.tolist()) == set(shards[1].tolist())
+def test_processes_read_their_rows_of_one_global_order():
+  """Process i of n reads rows i*B/n.. of every global batch of the one-process order: together the processes
+  read exactly the global batches (training and validation), each window once."""
+  tokens = np.arange(1000, dtype=np.int32)  # 90 windows
+  for train in (True, False):
+    whole = _take(iter(_make(tokens, train=train, batch_size=6)), 15)
+    parts = [_take(iter(_make(tokens, train=train, batch_size=2, shard_index=i, shard_count=3)), 15)
+             for i in range(3)]
+    for step, batch in enumerate(whole):
+      np.testing.assert_array_equal(batch["tokens"], np.concatenate([p[step]["tokens"] for p in parts]))
+    starts = np.concatenate([b["tokens"][:, 0] for b in whole])
+    assert len(set(starts.tolist())) == 90  # 15 batches of 6: one epoch, no window twice
+
+
+def test_a_global_shuffle_mixes_windows_from_all_over_the_corpus():
+  """Rows of one global batch come from anywhere in the corpus: the share of rows whose window neighbours
+  another row's window in the same batch is what a uniform draw gives (about 2B/N), not 1 (the old
+  deal-then-shuffle gave runs of consecutive windows, one per process)."""
+  tokens = np.arange(11 * 4096, dtype=np.int32)
+  parts = [iter(_make(tokens, train=True, batch_size=8, shard_index=i, shard_count=4)) for i in range(4)]
+  seen, adjacent, rows = set(), 0, 0
+  for _ in range(50):
+    windows = np.concatenate([next(p)["tokens"][:, 0] // 11 for p in parts])
+    assert not seen & set(windows.tolist())  # no window twice in 50 global batches
+    seen |= set(windows.tolist())
+    present = set(windows.tolist())
+    adjacent += sum((w - 1 in present) or (w + 1 in present) for w in windows.tolist())
+    rows += windows.size
+  assert adjacent / rows < 0.1, adjacent / rows  # uniform: ~2 * 31 / 4096 = 1.5%
+
+
+def test_a_saved_position_resumes_with_another_process_count_or_is_refused():
+  tokens = np.arange(1000, dtype=np.int32)
+  two = iter(_make(tokens, train=True, batch_size=2, shard_index=1, shard_count=2))
+  _take(two, 5)
+  state = json.loads(json.dumps(two.get_state()))
+  assert state["global_batch"] == 5 and state["process_count"] == 2
+  one = iter(_make(tokens, train=True, batch_size=4))
+  one.set_state(state)  # the same global batch 5, read by one process
+  expected = _take(iter(_make(tokens, train=True, batch_size=4)), 6)[5]
+  np.testing.assert_array_equal(next(one)["tokens"], expected["tokens"])
+  with pytest.raises(ValueError, match="global_batch_size=4, this run's is 6"):
+    iter(_make(tokens, train=True, batch_size=6)).set_state(state)
+  with pytest.raises(ValueError, match="older data pipeline"):
+    iter(_make(tokens, train=True, batch_size=4)).set_state({"next_index": 3})
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -311,7 +345,7 @@ def test_shards_are_disjoint_equal_and_cover_the_windows():
     (dict(shard_index=2, shard_count=2), r"shard_index must be in \[0, 2\), got 2"),
     (dict(prompt_length=40, canvas_length=16, num_canvases=4),
      r"100 tokens, fewer than one sequence of .* = 40 \+ 4 \* 16 = 104 tokens"),
-    (dict(batch_size=11), "9 sequences of 11 tokens, 9 per shard .* fewer than batch_size = 11"),
+    (dict(batch_size=11), "9 sequences of 11 tokens: fewer than one global batch of 11"),
 ])
 def test_bad_pipeline_arguments(kwargs, match):
   args = dict(prompt_length=3, canvas_length=4, num_canvases=2, batch_size=2, seed=0, train=True)

@@ -23,8 +23,11 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict({"quantize": "none", **model})
 
   config.data = ml_collections.ConfigDict()
-  config.data.corpus = "stdlib"  # 'stdlib', a folder of text files, or a .jsonl file
-  config.data.text_field = "text"  # for JSONL corpora
+  config.data.task = "lm"  # 'lm' (packed corpus) | 'sft' (prompt/response pairs) | 'projects.<name>.task'
+  # 'stdlib', a folder of text files, a .jsonl / .parquet file, a datasets save_to_disk folder, or a folder
+  # prepared by scripts/prepare_data.py (anything else is prepared into workdir/data_cache/prepared first)
+  config.data.corpus = "stdlib"
+  config.data.text_field = "text"  # for JSONL, parquet and datasets corpora
   config.data.tokenizer_path = ""  # empty: train one on the corpus into workdir/tokenizer.model
   config.data.vocab_size = 4096  # of a tokenizer trained here; must equal model.vocab_size
   config.data.prompt_length = 32

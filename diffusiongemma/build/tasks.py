@@ -34,7 +34,9 @@ from diffusiongemma.build import config as config_lib
 from diffusiongemma.build import init_from
 from diffusiongemma.build import models
 from diffusiongemma.data import hf_tokenizer
+from diffusiongemma.data import prepared
 from diffusiongemma.data import sft
+from diffusiongemma.data import sources
 from diffusiongemma.training import lora as lora_lib
 from diffusiongemma.training import optim
 from diffusiongemma.training.task import LoopSettings
@@ -42,40 +44,79 @@ from diffusiongemma.training.task import LoopSettings
 CACHE_DIRNAME = "data_cache"
 
 
-def _corpus_split(data: dict, split: str) -> list[str]:
-  return data_lib.load_corpus(data["corpus"], split, text_field=data["text_field"],
-                              validation_fraction=data["validation_fraction"])
+def _tokenizer_sample(data: dict) -> list[str]:
+  """Training documents of `data.corpus` to train a tokenizer on: a bounded sample, not the whole corpus."""
+  pairs = ("prompt", "response") if data.get("task", "lm") == "sft" else None
+  source = sources.open_source(data["corpus"], text_field=data["text_field"], pairs=pairs)
+  return sources.sample_documents(source, validation_fraction=data["validation_fraction"])
+
+
+def _main_process_first(name: str, make) -> None:
+  """Runs `make()` on process 0 while the others wait at the barrier `name`; an error of process 0 is raised
+  there after the barrier, so that no process waits for it forever (the others then find nothing made)."""
+  error = None
+  if parallel.is_main_process():
+    try:
+      make()
+    except Exception as e:  # pylint: disable=broad-except  (raised below, once every process is past the barrier)
+      error = e
+  parallel.sync(name)
+  if error is not None:
+    raise error
+
+
+def prepared_corpus(data: dict, tokenizer, cache_dir, *, kind: str = "text") -> pathlib.Path:
+  """The prepared folder of `data.corpus`: the corpus itself when it is one (checked against `tokenizer`),
+  else `cache_dir/prepared`, which process 0 prepares (once; a later run finds it done) while the others
+  wait."""
+  if prepared.is_prepared(data["corpus"]):
+    manifest = prepared.read_manifest(data["corpus"], tokenizer)
+    if manifest["kind"] != kind:
+      raise ValueError(f"config.data.corpus={data['corpus']!r} holds prepared {manifest['kind']} data; this task "
+                       f"(config.data.task={data.get('task', 'lm')!r}) reads {kind} data.")
+    return pathlib.Path(data["corpus"])
+  output = pathlib.Path(cache_dir) / "prepared"
+  _main_process_first("prepared_corpus", lambda: prepared.prepare(
+      data["corpus"], output, tokenizer, kind=kind, validation_fraction=data["validation_fraction"],
+      text_field=data["text_field"]))
+  if not prepared.is_prepared(output):
+    raise ValueError(f"Process 0 could not prepare config.data.corpus={data['corpus']!r} into {output} (its log "
+                     "says why); every process stops.")
+  return output
 
 
 @dataclasses.dataclass(frozen=True)
 class LanguageModelling:
-  """The corpus (`data.corpus`: 'stdlib', a folder of text files or a JSONL file) packed into windows of a
-  prompt and `data.num_canvases` canvases (`data.pipeline`)."""
+  """The corpus (`data.corpus`: 'stdlib', a folder of text files, a JSONL, parquet or datasets source, or a
+  folder prepared by scripts/prepare_data.py) packed into windows of a prompt and `data.num_canvases`
+  canvases (`data.pipeline`), read from its prepared token shards."""
 
   needs_tokenizer = True
 
   def dataset(self, data, split, *, tokenizer, canvas_length, batch_size, seed, shard_index, shard_count,
               cache_dir):
+    stream = prepared.open_split(prepared_corpus(data, tokenizer, cache_dir), split)
     return data_lib.make_dataset(
-        _corpus_split(data, split), tokenizer, prompt_length=data["prompt_length"],
+        stream, None, prompt_length=data["prompt_length"],
         canvas_length=canvas_length, num_canvases=data["num_canvases"], batch_size=batch_size, seed=seed,
-        train=split == "train", shard_index=shard_index, shard_count=shard_count, cache_dir=cache_dir)
+        train=split == "train", shard_index=shard_index, shard_count=shard_count)
 
 
 @dataclasses.dataclass(frozen=True)
 class SupervisedPairs:
-  """Prompt/response pairs of the JSONL file `data.corpus` (`data.sft`): the prompt is never noised."""
+  """Prompt/response pairs (`data.sft`; `data.corpus`: a JSONL, parquet or datasets source of `prompt` and
+  `response` fields, or a folder prepared from one): the prompt is never noised."""
 
   needs_tokenizer = True
 
   def dataset(self, data, split, *, tokenizer, canvas_length, batch_size, seed, shard_index, shard_count,
               cache_dir):
-    del cache_dir
-    examples = sft.jsonl_examples(data["corpus"], tokenizer, split, prompt_length=data["prompt_length"],
-                                  canvas_length=canvas_length, num_canvases=data["num_canvases"],
-                                  validation_fraction=data["validation_fraction"], seed=seed)
-    return sft.examples_dataset(examples, batch_size=batch_size, seed=seed, train=split == "train",
-                                shard_index=shard_index, shard_count=shard_count)
+    folder = prepared_corpus(data, tokenizer, cache_dir, kind="pairs")
+    return sft.pairs_dataset(prepared.open_split(folder, split), prompt_length=data["prompt_length"],
+                             canvas_length=canvas_length, num_canvases=data["num_canvases"],
+                             eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, batch_size=batch_size, seed=seed,
+                             train=split == "train", shard_index=shard_index, shard_count=shard_count,
+                             source=f"{data['corpus']} ({split})")
 
 
 TASKS: dict[str, Any] = {"lm": LanguageModelling(), "sft": SupervisedPairs()}
@@ -153,19 +194,18 @@ def tokenizer(config, workdir, *, train_if_missing: bool = False):
     vocab_size = min(vocab_size, mask)
   data = config.data.to_dict()
   path = config.data.tokenizer_path or None
+  if path is None and prepared.is_prepared(data["corpus"]):  # the tokenizer it was made with
+    path = _prepared_tokenizer(data["corpus"])
   if path is not None and pathlib.Path(path).name == hf_tokenizer.TOKENIZER_JSON:  # a checkpoint's own
-    load = lambda: hf_tokenizer.CheckpointTokenizer(pathlib.Path(path).parent)
+    load = lambda train: hf_tokenizer.CheckpointTokenizer(pathlib.Path(path).parent)
   else:
-    load = lambda: data_lib.get_tokenizer(workdir, path, corpus_texts_fn=lambda: _corpus_split(data, "train"),
-                                          vocab_size=vocab_size, train_if_missing=train_if_missing)
-  if config.data.tokenizer_path or not train_if_missing:
-    tok = load()
-  elif parallel.is_main_process():  # trains workdir/tokenizer.model if missing; the others then read it
-    tok = load()
-    parallel.sync("tokenizer")
-  else:
-    parallel.sync("tokenizer")
-    tok = load()
+    load = lambda train: data_lib.get_tokenizer(workdir, path, corpus_texts_fn=lambda: _tokenizer_sample(data),
+                                                vocab_size=vocab_size, train_if_missing=train)
+  if path or not train_if_missing:
+    tok = load(False)
+  else:  # process 0 trains workdir/tokenizer.model if missing; then every process reads it
+    _main_process_first("tokenizer", lambda: load(True))
+    tok = load(False)
   if tok.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"The tokenizer has {tok.vocab_size} pieces, more than "
                      f"model.vocab_size={model_cfg.vocab_size}.")
@@ -174,6 +214,14 @@ def tokenizer(config, workdir, *, train_if_missing: bool = False):
                      f"({tok.vocab_size} pieces): set config.diffusion.mask_token_id to an id "
                      f">= {tok.vocab_size} below model.vocab_size, or use a smaller tokenizer.")
   return tok
+
+
+def _prepared_tokenizer(folder) -> str:
+  manifest = prepared.read_manifest(folder)
+  if "file" not in manifest["tokenizer"]:
+    raise ValueError(f"The prepared corpus {folder!r} was made with a checkpoint's tokenizer (sha256 "
+                     f"{manifest['tokenizer']['sha256']}): name it, --config.data.tokenizer_path=FILE.")
+  return str(pathlib.Path(folder) / manifest["tokenizer"]["file"])
 
 
 def dataset(config, workdir, split: str, *, shard_index: int | None = None, shard_count: int | None = None,

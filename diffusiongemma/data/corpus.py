@@ -23,7 +23,7 @@ _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 def stdlib_files() -> list[pathlib.Path]:
   """Sorted `.py` files of this interpreter's standard library, without installed packages."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  return sorted(p for p in _walk(root) if p.suffix == ".py")
+  return sorted(p for p in walk(root) if p.suffix == ".py")
 
 
 def read_text_files(paths: Sequence[os.PathLike | str]) -> tuple[list[str], int]:
@@ -34,7 +34,7 @@ def read_text_files(paths: Sequence[os.PathLike | str]) -> tuple[list[str], int]
   """
   texts, skipped = [], 0
   for path in paths:
-    text = _read_text(path)
+    text = read_text(path)
     if text is None:
       skipped += 1
     else:
@@ -91,7 +91,7 @@ def load_corpus(
   if not path.exists():
     raise ValueError(f"Corpus path {str(path)!r} does not exist.")
   if path.is_dir():
-    return _load_files(sorted(_walk(path)), path, split, validation_fraction, seed, source)
+    return _load_files(sorted(walk(path)), path, split, validation_fraction, seed, source)
   if path.suffix == ".jsonl":
     texts = _read_jsonl(path, text_field)
     train, validation = _split(texts, texts, validation_fraction, seed)
@@ -112,7 +112,7 @@ def _load_files(paths, root, split, validation_fraction, seed, source) -> list[s
   return texts
 
 
-def _walk(root: pathlib.Path):
+def walk(root: pathlib.Path):
   """Yields regular files below `root`, skipping hidden entries and package/cache folders."""
   for dirpath, dirnames, filenames in os.walk(root):
     dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS and not d.startswith("."))
@@ -122,7 +122,7 @@ def _walk(root: pathlib.Path):
         yield path
 
 
-def _read_text(path) -> str | None:
+def read_text(path) -> str | None:
   """The file's text, or None when it is not UTF-8 text."""
   try:
     data = pathlib.Path(path).read_bytes()
@@ -174,13 +174,18 @@ def _split(items: list, keys: Sequence[str], validation_fraction: float, seed: i
   """
   if not 0.0 <= validation_fraction < 1.0:
     raise ValueError(f"validation_fraction must be in [0, 1), got {validation_fraction}.")
-  scores = [_hash01(f"{seed}:{key}") for key in keys]
+  scores = [split_score(key, seed) for key in keys]
   is_validation = [s < validation_fraction for s in scores]
   if validation_fraction > 0 and len(items) >= 2 and not any(is_validation):
     is_validation[min(range(len(items)), key=scores.__getitem__)] = True
   train = [x for x, v in zip(items, is_validation) if not v]
   validation = [x for x, v in zip(items, is_validation) if v]
   return train, validation
+
+
+def split_score(key: str, seed: int = 0) -> float:
+  """A document's seeded hash in [0, 1): it is in validation when this is below the validation fraction."""
+  return _hash01(f"{seed}:{key}")
 
 
 def _hash01(key: str) -> float:

@@ -1,12 +1,12 @@
-"""grain pipelines from documents to packed block-diffusion training batches.
+"""Packed block-diffusion training batches from a token stream (a prepared split, or documents in memory).
 
 Every example has the same layout: a prompt of `prompt_length` (P) tokens followed by
 `num_canvases` (n) canvases of `canvas_length` (C) tokens, L = P + n * C tokens in all. Documents are
 tokenized, each followed by EOS, and concatenated into one token stream (packing) that is cut into
-consecutive, non-overlapping windows of L tokens; the trailing partial window is dropped. Windows are
-dealt round-robin to `shard_count` shards (one per process), then shuffled and repeated forever for
-training, or read once in order for validation. The returned `grain.IterDataset` gives iterators
-whose `get_state()` / `set_state()` checkpoint and restore the exact position.
+consecutive, non-overlapping windows of L tokens; the trailing partial window is dropped. The windows are
+the items of `batching.GlobalBatches`: globally shuffled and repeated forever for training, or read once in
+order for validation, each process reading its rows of every global batch; its iterators'
+`get_state()` / `set_state()` checkpoint and restore the exact position.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import grain
 import numpy as np
 
 from diffusiongemma import _files
+from diffusiongemma.data import batching
+from diffusiongemma.data import prepared
 from diffusiongemma.data.tokenizer import Tokenizer
 
 _ENCODE_CHUNK = 256  # Documents per encode call: bounds the memory of Python id lists.
-_DEFAULT_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
 
 
 def tokenize_corpus(
@@ -58,7 +59,7 @@ def tokenize_corpus(
 
 
 def make_dataset(
-    texts_or_tokens: Sequence[str] | np.ndarray,
+    texts_or_tokens: Sequence[str] | np.ndarray | prepared.TokenStream,
     tokenizer: Tokenizer | None,
     *,
     prompt_length: int,
@@ -71,21 +72,21 @@ def make_dataset(
     shard_count: int = 1,
     cache_dir: os.PathLike | str | None = None,
     read_options: grain.ReadOptions | None = None,
-) -> grain.IterDataset:
-  """A dataset of batches `{'tokens': int32 [B, P + n*C], 'prompt_length': int32 [B]}`.
+) -> batching.GlobalBatches:
+  """This process's part of the global batches `{'tokens': int32 [B, P + n*C], 'prompt_length': int32 [B]}`.
 
   Args:
-    texts_or_tokens: documents (strings), or an already tokenized 1-D stream of ids (then
-      `tokenizer` may be None).
+    texts_or_tokens: documents (strings), an already tokenized 1-D stream of ids, or the stream of a
+      prepared split (`prepared.open_split`; then `tokenizer` may be None).
     tokenizer: encodes the documents; its EOS id ends each document.
     prompt_length: P, prompt tokens at the start of each example.
     canvas_length: C, tokens per canvas.
     num_canvases: n, canvases after the prompt.
-    batch_size: examples per batch (per process); the last partial batch is dropped.
+    batch_size: examples per batch of this process (the global batch is `batch_size * shard_count`).
     seed: the shuffle seed (training only).
-    train: shuffle and repeat forever if True, else one pass in stream order.
-    shard_index: this process's shard, in [0, shard_count).
-    shard_count: the number of shards; every shard gets the same number of windows.
+    train: a global shuffle repeated forever if True, else one pass in stream order.
+    shard_index: this process, in [0, shard_count).
+    shard_count: the number of processes.
     cache_dir: where to cache the token stream of `texts` (see `tokenize_corpus`).
     read_options: grain's reading threads and prefetch buffer.
   """
@@ -96,53 +97,59 @@ def make_dataset(
       raise ValueError(f"{name} must be >= 1, got {value}.")
   if not 0 <= shard_index < shard_count:
     raise ValueError(f"shard_index must be in [0, {shard_count}), got {shard_index}.")
-  tokens = _as_token_stream(texts_or_tokens, tokenizer, cache_dir)
+  stream = _as_token_stream(texts_or_tokens, tokenizer, cache_dir)
   length = prompt_length + num_canvases * canvas_length
-  num_windows = tokens.size // length
+  num_windows = stream.num_tokens // length
   if num_windows < 1:
-    raise ValueError(f"The corpus has {tokens.size} tokens, fewer than one sequence of "
+    raise ValueError(f"The corpus has {stream.num_tokens} tokens, fewer than one sequence of "
                      f"prompt_length + num_canvases * canvas_length = {prompt_length} + "
                      f"{num_canvases} * {canvas_length} = {length} tokens.")
-  per_shard = num_windows // shard_count
-  if per_shard < batch_size:
-    raise ValueError(f"The corpus has {num_windows} sequences of {length} tokens, {per_shard} per "
-                     f"shard over {shard_count} shards: fewer than batch_size = {batch_size}.")
-
-  dataset = grain.MapDataset.range(per_shard * shard_count)
-  dataset = dataset.slice(slice(shard_index, None, shard_count))
-  if train:
-    dataset = dataset.shuffle(seed=seed).repeat(None)
-  dataset = dataset.map(_Window(tokens, length, prompt_length))
-  dataset = dataset.batch(batch_size, drop_remainder=True)
-  return dataset.to_iter_dataset(read_options or _DEFAULT_READ_OPTIONS)
+  return batching.GlobalBatches(
+      num_windows, Windows(stream, length, prompt_length), global_batch_size=batch_size * shard_count,
+      process_index=shard_index, process_count=shard_count, seed=seed, train=train,
+      read_options=read_options, what=f"sequences of {length} tokens")
 
 
-class _Window:
-  """Maps a window index to its example; a class (not a closure) so that it pickles."""
+class Windows:
+  """Window indices -> a batch: window w is tokens [w*L, (w+1)*L) of the stream (a class, so it pickles)."""
 
-  def __init__(self, tokens: np.ndarray, length: int, prompt_length: int):
-    self.tokens, self.length, self.prompt_length = tokens, length, prompt_length
+  def __init__(self, stream, length: int, prompt_length: int):
+    self.stream, self.length, self.prompt_length = stream, length, prompt_length
 
-  def __call__(self, index: int) -> dict[str, np.ndarray]:
-    start = int(index) * self.length
-    return {
-        "tokens": np.array(self.tokens[start:start + self.length], np.int32),
-        "prompt_length": np.array(self.prompt_length, np.int32),
-    }
+  def __call__(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+    rows = [self.stream.read(int(w) * self.length, (int(w) + 1) * self.length) for w in windows]
+    return {"tokens": np.stack(rows).astype(np.int32),
+            "prompt_length": np.full(len(rows), self.prompt_length, np.int32)}
 
 
-def _as_token_stream(texts_or_tokens, tokenizer, cache_dir) -> np.ndarray:
-  """A 1-D integer token stream, tokenizing documents when given strings."""
+class _ArrayStream:
+  """An in-memory token stream with the reader interface of a prepared one."""
+
+  def __init__(self, tokens: np.ndarray):
+    self.tokens = tokens
+
+  @property
+  def num_tokens(self) -> int:
+    return int(self.tokens.size)
+
+  def read(self, start: int, stop: int) -> np.ndarray:
+    return np.asarray(self.tokens[start:stop], np.int32)
+
+
+def _as_token_stream(texts_or_tokens, tokenizer, cache_dir):
+  """A token stream reader, tokenizing documents when given strings."""
+  if isinstance(texts_or_tokens, prepared.TokenStream):
+    return texts_or_tokens
   if isinstance(texts_or_tokens, np.ndarray):
     if texts_or_tokens.ndim != 1 or not np.issubdtype(texts_or_tokens.dtype, np.integer):
       raise ValueError("A token stream must be a 1-D integer array, got "
                        f"{texts_or_tokens.dtype} of shape {texts_or_tokens.shape}.")
-    return texts_or_tokens
+    return _ArrayStream(texts_or_tokens)
   if isinstance(texts_or_tokens, str):
     raise ValueError("texts_or_tokens must be a sequence of documents, not a single string.")
   if tokenizer is None:
     raise ValueError("A tokenizer is needed to tokenize texts.")
-  return tokenize_corpus(texts_or_tokens, tokenizer, cache_dir)
+  return _ArrayStream(tokenize_corpus(texts_or_tokens, tokenizer, cache_dir))
 
 
 def _fingerprint(texts: Sequence[str], tokenizer: Tokenizer) -> str:

@@ -14,9 +14,9 @@ The diffusion loss only ever reads canvas positions (`prompt_length` onwards), s
 contribute nothing to it; the AR loss covers the prompt too unless `config.diffusion.ar_loss_on_prompt`
 is False.
 
-`jsonl_examples` reads a JSONL file of `{"prompt": str, "response": str}` records through a tokenizer
-(BOS + prompt; response + EOS), split into train/validation by a seeded hash of each record;
-`examples_dataset` batches packed examples (a project's own examples too, e.g. projects/sudoku).
+`pairs_dataset` batches the pairs of a prepared corpus (`prepared.prepare(kind='pairs')` of a JSONL file of
+`{"prompt": str, "response": str}` records: BOS + prompt; response + EOS), `jsonl_examples` reads such a
+file into memory, and `examples_dataset` batches packed examples held in memory.
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from absl import logging
 import grain
 import numpy as np
 
+from diffusiongemma.data import batching
 from diffusiongemma.data import corpus
+from diffusiongemma.data import prepared
 from diffusiongemma.data.tokenizer import Tokenizer
 
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=8)
@@ -95,22 +97,56 @@ def jsonl_examples(path: os.PathLike | str, tokenizer: Tokenizer, split: str, *,
   return examples
 
 
-def _batches(dataset: grain.MapDataset, *, batch_size: int, seed: int, train: bool, shard_index: int,
-             shard_count: int, size: int) -> grain.MapDataset:
-  per_shard = size // shard_count
-  if per_shard < batch_size:
-    raise ValueError(f"{size} examples, {per_shard} per shard over {shard_count} shards: fewer than "
-                     f"batch_size = {batch_size}.")
-  dataset = dataset.slice(slice(shard_index, per_shard * shard_count, shard_count))
-  if train:
-    dataset = dataset.shuffle(seed=seed).repeat(None)
-  return dataset
-
-
 def examples_dataset(examples: Sequence[dict[str, np.ndarray]], *, batch_size: int, seed: int,
-                     train: bool, shard_index: int = 0, shard_count: int = 1) -> grain.IterDataset:
-  """Batches of packed examples: shuffled and repeated forever if `train`, else one pass in order."""
-  dataset = grain.MapDataset.source(list(examples))
-  dataset = _batches(dataset, batch_size=batch_size, seed=seed, train=train, shard_index=shard_index,
-                     shard_count=shard_count, size=len(examples))
-  return dataset.batch(batch_size, drop_remainder=True).to_iter_dataset(_READ_OPTIONS)
+                     train: bool, shard_index: int = 0, shard_count: int = 1) -> batching.GlobalBatches:
+  """Batches of packed examples in memory (this process's `batch_size` rows of each global batch): globally
+  shuffled and repeated forever if `train`, else one pass in order."""
+  examples = list(examples)
+  fetch = lambda items: {k: np.stack([examples[i][k] for i in items]) for k in examples[0]}
+  return batching.GlobalBatches(len(examples), fetch, global_batch_size=batch_size * shard_count,
+                                process_index=shard_index, process_count=shard_count, seed=seed, train=train,
+                                read_options=_READ_OPTIONS, what="examples")
+
+
+class PackPairs:
+  """Pair indices -> a batch of packed examples (a class, so that it pickles)."""
+
+  def __init__(self, pairs: prepared.Pairs, *, prompt_length: int, canvas_length: int, num_canvases: int,
+               eos_id: int, pad_id: int):
+    self.pairs = pairs
+    self.layout = dict(prompt_length=prompt_length, canvas_length=canvas_length, num_canvases=num_canvases,
+                       eos_id=eos_id, pad_id=pad_id)
+
+  def __call__(self, items: np.ndarray) -> dict[str, np.ndarray]:
+    rows = [pack_example(*self.pairs.pair(int(i)), **self.layout) for i in items]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def pairs_dataset(pairs: prepared.Pairs, *, prompt_length: int, canvas_length: int, num_canvases: int,
+                  eos_id: int, pad_id: int, batch_size: int, seed: int, train: bool, shard_index: int = 0,
+                  shard_count: int = 1, source: str = "") -> batching.GlobalBatches:
+  """Batches of the prepared pairs that fit the layout (the others are left out with a warning counting
+  them; none fitting is an error), as `examples_dataset`."""
+  prompts, responses = pairs.lengths[:, 0], pairs.lengths[:, 1]
+  fits = (prompts <= prompt_length) & (-(-(responses + 1) // canvas_length) <= num_canvases)
+  items = np.flatnonzero(fits)
+  layout = f"prompt_length={prompt_length} and num_canvases={num_canvases} x canvas_length={canvas_length}"
+  if items.size < len(pairs):
+    logging.warning("%s: left out %d of %d pairs longer than %s.", source, len(pairs) - items.size, len(pairs),
+                    layout)
+  if not items.size:
+    raise ValueError(f"{source}: no pair fits {layout} ({len(pairs)} pairs in the split).")
+  pack = PackPairs(pairs, prompt_length=prompt_length, canvas_length=canvas_length, num_canvases=num_canvases,
+                   eos_id=eos_id, pad_id=pad_id)
+  return batching.GlobalBatches(
+      items.size, _Subset(items, pack), global_batch_size=batch_size * shard_count, process_index=shard_index,
+      process_count=shard_count, seed=seed, train=train, read_options=_READ_OPTIONS,
+      what=f"examples of {source} that fit {layout}")
+
+
+class _Subset:
+  def __init__(self, items: np.ndarray, fetch):
+    self.items, self.fetch = items, fetch
+
+  def __call__(self, positions: np.ndarray) -> dict[str, np.ndarray]:
+    return self.fetch(self.items[positions])
