@@ -32,6 +32,7 @@ setuptools.setup(
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
+                 "pyarrow", "datasets",  # parquet and datasets corpora (tests/test_prepared_data.py)
                  "imageio>=2.38", "av>=14", "lm-eval==0.4.13", "hypothesis",
                  "rfc3339-validator",  # jsonschema checks the date-time and time formats only with it
                  # The server's tests: its runtime, the official client, a real browser (Debian's chromium).
@@ -40,6 +41,8 @@ setuptools.setup(
         "eval": ["lm-eval==0.4.13"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
         "hf": ["torch==2.13.0", "transformers==5.24.0"],
+        # Parquet and `datasets.save_to_disk` corpora (scripts/prepare_data.py, data/sources.py).
+        "data": ["pyarrow"],
         # The OpenAI-compatible server (scripts/serve.py, diffusiongemma.serving).
         "serve": ["starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.
