@@ -78,7 +78,7 @@ def prepared_corpus(data: dict, tokenizer, cache_dir, *, kind: str = "text") -> 
   output = pathlib.Path(cache_dir) / "prepared"
   _main_process_first("prepared_corpus", lambda: prepared.prepare(
       data["corpus"], output, tokenizer, kind=kind, validation_fraction=data["validation_fraction"],
-      text_field=data["text_field"]))
+      text_field=data["text_field"], threads=-1))
   if not prepared.is_prepared(output):
     raise ValueError(f"Process 0 could not prepare config.data.corpus={data['corpus']!r} into {output} (its log "
                      "says why); every process stops.")

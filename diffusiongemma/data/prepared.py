@@ -78,11 +78,12 @@ class _Job:
 def prepare(source: str | sources_lib.Source, output, tokenizer, *, kind: str = "text", workers: int = 1,
             validation_fraction: float = 0.02, seed: int = 0, text_field: str = "text",
             pair_fields: tuple[str, str] = ("prompt", "response"), token_field: str = "", piece_bytes: int = 0,
-            progress: bool = False) -> dict:
+            threads: int = 1, progress: bool = False) -> dict:
   """Tokenizes `source` into the prepared folder `output` and returns its manifest.
 
   A re-run keeps every piece already done with the same source, tokenizer and settings (a folder prepared
-  before returns at once). `workers` processes tokenize one piece each at a time (1: this process).
+  before returns at once). `workers` processes tokenize one piece each at a time (1: this process), each
+  with `threads` threads (-1: every core; for one process preparing alone, e.g. on a training's first run).
   Documents that are not UTF-8 text are skipped and counted (`skipped_documents`). `piece_bytes`: the input
   per piece (default: `sources.pieces`'s choice).
   """
@@ -111,7 +112,6 @@ def prepare(source: str | sources_lib.Source, output, tokenizer, *, kind: str = 
       logging.warning("Preparing %s again: %s", output, e)
     manifest_path.unlink()
   work = sources_lib.pieces(source, workers, piece_bytes)
-  threads = 1 if workers > 1 else -1
   job = _Job(source, str(output), tokenizer, kind, dtype, validation_fraction, seed, key, threads)
   start = time.perf_counter()
   done = {i: m for i, m in enumerate(_markers(output, len(work), key)) if m is not None}
