@@ -57,7 +57,12 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.train.adam_b2 = 0.95
   config.train.weight_decay = 0.01  # decoupled (AdamW), matrices and embeddings only
   config.train.grad_clip = 1.0  # global norm; 0 disables
-  config.train.compute_dtype = "float32"  # or 'bfloat16' (parameters and optimizer stay float32)
+  # Precision policy: master weights (`param_dtype`) and Adam's moments float32; the model computes in
+  # `compute_dtype`; `mu_dtype='bfloat16'` keeps Adam's first moment in bfloat16 (opt-in, saves memory).
+  config.train.compute_dtype = "float32"  # or 'bfloat16'
+  config.train.param_dtype = "float32"  # the master weights training keeps, whatever config.model.param_dtype
+  config.train.mu_dtype = ""  # '' : the parameters' dtype; 'bfloat16': Adam's first moment in bfloat16
+  config.train.grad_accum_steps = 1  # > 1: the batch in this many micro-batches, one update (exactly equal)
   config.train.nan_policy = "error"  # 'error' (stop, naming step and metric) | 'skip' (drop update)
   config.train.log_every = 10
   config.train.eval_every = 200  # also at step 0 of a fresh run; 0 disables

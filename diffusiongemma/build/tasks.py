@@ -259,6 +259,11 @@ def _check_batch(config) -> None:
   if batch_size % shards:
     raise ValueError(f"config.train.batch_size={batch_size} is not divisible by the {shards} batch "
                      f"shards of the mesh (data*fsdp*expert of {sizes}); use a multiple of {shards}.")
+  accum = config.train.get("grad_accum_steps", 1)
+  if isinstance(accum, int) and accum > 1 and batch_size % (shards * accum):
+    raise ValueError(f"config.train.batch_size={batch_size} does not split into grad_accum_steps={accum} "
+                     f"micro-batches over the {shards} batch shards of the mesh: use a multiple of "
+                     f"{shards * accum}.")
   processes = jax.process_count()
   if batch_size % processes:
     raise ValueError(f"config.train.batch_size={batch_size} is not divisible by the {processes} "
@@ -269,13 +274,25 @@ def _check_batch(config) -> None:
                      "devices must hold their own part of the batch (move devices from tensor to data).")
 
 
+def training_model_config(config):
+  """`models.model_config(config)` with the precision policy of training: master weights in
+  `config.train.param_dtype` (float32 by default, whatever `config.model.param_dtype` says for inference),
+  computing in `config.train.compute_dtype`. With LoRA the frozen base keeps `config.model.param_dtype`
+  (it is never updated); the adapters are the master weights."""
+  dtype = config.train.get("param_dtype", "float32")
+  if dtype not in models.COMPUTE_DTYPES:
+    raise ValueError(f"Unknown config.train.param_dtype {dtype!r}; expected one of {models.COMPUTE_DTYPES}.")
+  model_cfg = models.model_config(config)
+  return model_cfg if config.train.get("lora_rank", 0) else model_cfg.replace(param_dtype=dtype)
+
+
 def train_task(config, workdir, *, train_tokenizer: bool = True) -> training.Task:
   """`config` as a `training.Task` for `training.train(task, workdir)`: every section checked first. Its
   datasets train `workdir/tokenizer.model` if it is missing and `train_tokenizer` (training), else refuse.
   A `config.model.init_from` is resolved first (`build.init_from`): the task and the saved config are the
   resolved ones."""
   config = init_from.resolve(config)
-  model_cfg = models.model_config(config)
+  model_cfg = training_model_config(config)
   if model_cfg.quantize != "none":
     raise ValueError(f"config.model.quantize={model_cfg.quantize!r} is for inference: int8 weights get no "
                      "gradients. Train with quantize='none'; sample, serve or evaluate the checkpoint with "

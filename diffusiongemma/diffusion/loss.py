@@ -123,36 +123,26 @@ def _cross_entropy(logits: Array, labels: Array) -> Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
 
 
-def _encoder_pass(model, params, tokens: Array, start: Array, rows: Array, config: LossConfig, c: int,
-                  ar_targets: Array | None = None) -> tuple[Any, Array]:
-  """(the clean cache, the AR loss): the encoder over the clean sequence, with its next-token loss; without
-  an AR term only over the tokens before the last canvas slot (all the denoiser's cache needs).
-  `ar_targets` [B, L] bool, if given, further limits the AR loss to the targets it marks."""
+def _encoder_pass(model, params, tokens: Array, ar_mask: Array, config: LossConfig, c: int) -> tuple[Any, Array]:
+  """(the clean cache, the sum of the AR loss over `ar_mask` [B, L-1]): the encoder over the clean sequence;
+  without an AR term only over the tokens before the last canvas slot (all the denoiser's cache needs)."""
   if config.ar_loss_weight == 0:
     _, cache = model.apply(params, tokens[:, :-c], method=model.encode)
     return cache, jnp.zeros((), jnp.float32)
   enc_logits, cache = model.apply(params, tokens, method=model.encode)  # [B, L, V]
-  target = jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[None]  # [1, L-1]: position of each target
-  ar_mask = target < (start + rows * c)[:, None]  # [B, L-1]
-  if not config.ar_loss_on_prompt:
-    ar_mask &= target >= start[:, None]
-  if ar_targets is not None:
-    ar_mask &= ar_targets[:, 1:].astype(bool)
-  ar_mask = ar_mask.astype(jnp.float32)
   ar_ce = _cross_entropy(enc_logits[:, :-1], tokens[:, 1:])  # [B, L-1]
-  return cache, (ar_ce * ar_mask).sum() / jnp.maximum(ar_mask.sum(), 1.0)
+  return cache, (ar_ce * ar_mask).sum()
 
 
 def _denoise(model, params, canvas: Array, cache, block_length: int | None, config: LossConfig,
-             rng: Array) -> Array:
+             sc_mask: Array) -> Array:
   """Denoiser logits [B, k*C, V], with self-conditioning (pass 1 without a signal, its stopped logits
-  feeding pass 2 for a `self_conditioning_prob` share of the rows; the others get a zero signal)."""
-  def denoise(sc_logits, sc_mask):
-    return model.apply(params, canvas, cache, sc_logits, sc_mask, block_length=block_length,
+  feeding pass 2 for the rows of `sc_mask` [B]; the others get a zero signal)."""
+  def denoise(sc_logits, mask):
+    return model.apply(params, canvas, cache, sc_logits, mask, block_length=block_length,
                        method=model.denoise)
 
   if config.self_conditioning_prob > 0:
-    sc_mask = jax.random.uniform(rng, (canvas.shape[0],)) < config.self_conditioning_prob
     first = jax.lax.stop_gradient(denoise(None, None))
     return denoise(first, sc_mask)
   return denoise(None, None)
@@ -185,6 +175,17 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     num_canvases: n, canvases per row after the prompt (static).
     canvas_index: [B] forces the canvas of each row (one-canvas mode only; tests).
   """
+  examples = prepare(model, batch, rng, config, num_canvases=num_canvases, canvas_index=canvas_index)
+  return loss_terms(model, params, examples, normalizers(examples, config), config)
+
+
+def prepare(model, batch: Mapping[str, Array], rng: Array, config: LossConfig, *, num_canvases: int,
+            canvas_index: Array | None = None) -> dict[str, Array]:
+  """Everything the loss of `batch` draws or derives without the model, per example (each array's leading
+  axis is the batch): the noised canvases, their targets, weights and valid positions, the canvas chosen,
+  the self-conditioning rows and the AR targets. A slice of the rows of it is the same slice of the batch's
+  loss terms, so that gradient accumulation (`loss_terms` on row slices, `normalizers` of the whole) gives
+  the whole batch's loss, with the same random draws."""
   tokens = batch["tokens"]
   start = batch["prompt_length"].astype(jnp.int32)  # [B]
   b = tokens.shape[0]
@@ -197,13 +198,15 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
   k_t, k_noise, k_canvas, k_sc = jax.random.split(rng, 4)
   rows = batch.get("num_canvases")
   rows = jnp.full((b,), n, jnp.int32) if rows is None else jnp.clip(rows.astype(jnp.int32), 1, n)  # [B]
-  cache, ar_loss = _encoder_pass(model, params, tokens, start, rows, config, c, batch.get("ar_targets"))
+  target = jnp.arange(1, tokens.shape[1], dtype=jnp.int32)[None]  # [1, L-1]: position of each AR target
+  ar_mask = target < (start + rows * c)[:, None]  # [B, L-1]
+  if not config.ar_loss_on_prompt:
+    ar_mask &= target >= start[:, None]
+  if batch.get("ar_targets") is not None:
+    ar_mask &= batch["ar_targets"][:, 1:].astype(bool)
+  examples = {"tokens": tokens, "ar_mask": ar_mask.astype(jnp.float32)}
   if config.diffusion_loss_weight == 0:  # the AR baseline: no denoiser pass at all
-    zero = jnp.zeros((), jnp.float32)
-    metrics = {"loss": config.ar_loss_weight * ar_loss, "diffusion_loss": zero, "diffusion_ce": zero,
-               "ar_loss": ar_loss, "corrupted_accuracy": zero, "corrupted_fraction": zero,
-               "certainty_entropy": zero}
-    return metrics["loss"], metrics
+    return examples
 
   offsets = start[:, None] + jnp.arange(n * c, dtype=jnp.int32)[None]  # [B, nC]
   clean = jnp.take_along_axis(tokens, offsets, axis=1).reshape(b, n, c)  # [B, n, C]
@@ -223,36 +226,63 @@ def diffusion_loss(model, params, batch: Mapping[str, Array], rng: Array, config
     weights = (weights > 0).astype(jnp.float32)
   valid = (jnp.arange(n)[None] < rows[:, None])[..., None] & ~held  # [B, n, C]: the response's free positions
   if config.all_canvases:  # every canvas, block-causally, in one pass
-    canvas, block_length = noisy.reshape(b, n * c), c
-    cache = cache.with_length(start)
+    cache_length = start
   else:  # one canvas per row, attending to the clean prompt and earlier canvases
     if canvas_index is None:
       canvas_index = jax.random.randint(k_canvas, (b,), 0, rows)
     pick = lambda x: jnp.take_along_axis(x, canvas_index[:, None, None], axis=1)  # [B, 1, C]
     clean, noisy, corrupted, weights, valid = map(pick, (clean, noisy, corrupted, weights, valid))
-    canvas, block_length = noisy[:, 0], None
-    cache = cache.with_length(start + canvas_index.astype(jnp.int32) * c)
-  logits = _denoise(model, params, canvas, cache, block_length, config, k_sc)
-  logits = noise.prepare_logits(logits).reshape(*clean.shape, -1)  # [B, k, C, V]
-  ce = _cross_entropy(logits, clean)  # [B, k, C]
+    cache_length = start + canvas_index.astype(jnp.int32) * c
   valid = valid.astype(jnp.float32)
-  count = jnp.maximum(valid.sum(), 1.0)
-  loss_diffusion = (valid * weights * ce).sum() / count
-  loss = config.diffusion_loss_weight * loss_diffusion + config.ar_loss_weight * ar_loss
+  return examples | {"clean": clean, "noisy": noisy, "weights": weights, "valid": valid,
+                     "corrupted": corrupted.astype(jnp.float32) * valid, "cache_length": cache_length,
+                     "sc_mask": jax.random.uniform(k_sc, (b,)) < config.self_conditioning_prob}
 
+
+def normalizers(examples: Mapping[str, Array], config: LossConfig) -> dict[str, Array]:
+  """The whole batch's denominators of the loss and its metrics (from `prepare` of the whole batch)."""
+  out = {"ar": jnp.maximum(examples["ar_mask"].sum(), 1.0)}
+  if config.diffusion_loss_weight:
+    out |= {"diffusion": jnp.maximum(examples["valid"].sum(), 1.0),
+            "corrupted": jnp.maximum(examples["corrupted"].sum(), 1.0)}
+  return out
+
+
+def loss_terms(model, params, examples: Mapping[str, Array], norms: Mapping[str, Array],
+               config: LossConfig) -> tuple[Array, dict]:
+  """(loss, metrics) of the rows in `examples` (`prepare`), each a sum over those rows divided by the whole
+  batch's `norms`: over all the rows, the batch's loss; over a slice, that slice's share of it."""
+  tokens = examples["tokens"]
+  c = model.config.canvas_length
+  cache, ar_sum = _encoder_pass(model, params, tokens, examples["ar_mask"], config, c)
+  ar_loss = ar_sum / norms["ar"]
+  if config.diffusion_loss_weight == 0:
+    zero = jnp.zeros((), jnp.float32)
+    metrics = {"loss": config.ar_loss_weight * ar_loss, "diffusion_loss": zero, "diffusion_ce": zero,
+               "ar_loss": ar_loss, "corrupted_accuracy": zero, "corrupted_fraction": zero,
+               "certainty_entropy": zero}
+    return metrics["loss"], metrics
+  clean, valid, corrupted = examples["clean"], examples["valid"], examples["corrupted"]
+  b, k = clean.shape[:2]
+  canvas, block_length = examples["noisy"].reshape(b, k * c), (c if config.all_canvases else None)
+  cache = cache.with_length(examples["cache_length"])
+  logits = _denoise(model, params, canvas, cache, block_length, config, examples["sc_mask"])
+  logits = config.noise.prepare_logits(logits).reshape(*clean.shape, -1)  # [B, k, C, V]
+  ce = _cross_entropy(logits, clean)  # [B, k, C]
+  loss_diffusion = (valid * examples["weights"] * ce).sum() / norms["diffusion"]
+  loss = config.diffusion_loss_weight * loss_diffusion + config.ar_loss_weight * ar_loss
   correct = (jnp.argmax(logits, -1) == clean).astype(jnp.float32)
-  corrupted = corrupted.astype(jnp.float32) * valid
   certainty = jnp.zeros((), jnp.float32)
-  if config.certainty_weight > 0:
+  if config.certainty_weight > 0:  # normalised by the rows' own count of right positions
     certainty = certainty_entropy(logits, clean, corrupted > 0)
     loss = loss + config.certainty_weight * certainty
   metrics = {
       "loss": loss,
       "diffusion_loss": loss_diffusion,
-      "diffusion_ce": (valid * ce).sum() / count,
+      "diffusion_ce": (valid * ce).sum() / norms["diffusion"],
       "ar_loss": ar_loss,
-      "corrupted_accuracy": (correct * corrupted).sum() / jnp.maximum(corrupted.sum(), 1.0),
-      "corrupted_fraction": corrupted.sum() / count,
+      "corrupted_accuracy": (correct * corrupted).sum() / norms["corrupted"],
+      "corrupted_fraction": corrupted.sum() / norms["diffusion"],
       "certainty_entropy": certainty,
   }
   return loss, metrics

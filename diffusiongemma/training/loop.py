@@ -92,7 +92,8 @@ class _Programs:
 
 
 @functools.lru_cache(maxsize=4)
-def _programs(model_cfg, loss_cfg, optimizer_settings, num_canvases, seed, mesh, rules, lora_cfg) -> _Programs:
+def _programs(model_cfg, loss_cfg, optimizer_settings, num_canvases, seed, mesh, rules, lora_cfg,
+              grad_accum_steps=1) -> _Programs:
   """Model, optimizer, abstract state, shardings and the jitted steps, cached so that a process calling
   `train` or `evaluate` again with the same configs (resuming, notebooks, tests) compiles once.
 
@@ -111,7 +112,7 @@ def _programs(model_cfg, loss_cfg, optimizer_settings, num_canvases, seed, mesh,
     init_fn = state_lib.make_init_fn(model, optimizer, seed=seed, sharding=full_shardings)
     train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
                                           schedule=schedule, state_sharding=full_shardings,
-                                          batch_sharding=batch_sharding)
+                                          batch_sharding=batch_sharding, grad_accum_steps=grad_accum_steps)
     return _Programs(model, optimizer, full_abstract, full_shardings, params_shardings, full_abstract.params,
                      init_fn, train_step, eval_step, None)
   create = lambda base: lora_lib.create_train_state(base, optimizer, lora_cfg, seed=seed)
@@ -121,7 +122,7 @@ def _programs(model_cfg, loss_cfg, optimizer_settings, num_canvases, seed, mesh,
   train_step = step_lib.make_train_step(model, optimizer, loss_cfg, num_canvases=num_canvases,
                                         schedule=schedule, state_sharding=shardings,
                                         batch_sharding=batch_sharding, merge=lora_lib.merge_fn(lora_cfg),
-                                        frozen_sharding=params_shardings)
+                                        frozen_sharding=params_shardings, grad_accum_steps=grad_accum_steps)
   merge = jax.jit(lora_lib.merge_fn(lora_cfg), out_shardings=params_shardings)
   return _Programs(model, optimizer, abstract, shardings, params_shardings, full_abstract.params, init_fn,
                    train_step, eval_step, merge)
@@ -143,7 +144,8 @@ class _Setup:
     self.mesh = parallel.make_mesh(task.mesh)
     self.batch_sharding = parallel.batch_sharding(self.mesh, ndim=1)
     self.programs = _programs(self.model_cfg, self.loss_cfg, task.optimizer, self.num_canvases,
-                              task.loop.seed, self.mesh, parallel.logical_rules(task.mesh), self.lora_cfg)
+                              task.loop.seed, self.mesh, parallel.logical_rules(task.mesh), self.lora_cfg,
+                              task.loop.grad_accum_steps)
     self.init_from = task.init_from
     self._base = None
 

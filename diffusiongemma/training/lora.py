@@ -155,8 +155,8 @@ def delta(layout: str, a: Array, b: Array) -> Array:
 
 
 def init_adapters(params, config: LoraConfig, rng: Array) -> dict:
-  """Adapters for the targeted weights of `params`: A fan-in normal, B zero (the float32 of the
-  weight's dtype is kept)."""
+  """Adapters for the targeted weights of `params`: A fan-in normal, B zero, in float32 whatever the base's
+  dtype (they are the master weights of a LoRA run; `merge` casts their update to the base's dtype)."""
   tree, _ = _bare(params)
   targets = _targets(tree, config)
   if not targets:
@@ -168,8 +168,8 @@ def init_adapters(params, config: LoraConfig, rng: Array) -> dict:
     a_shape, b_shape = _factor_shapes(layout, weight.shape, config.rank)
     _, inputs, batch = LAYOUTS[layout]
     fan_in_axes = list(range(len(batch), len(batch) + len(inputs)))
-    a = layers.fan_in_init(fan_in_axes)(jax.random.fold_in(rng, i), a_shape, weight.dtype)
-    _set(adapters, path, {"lora_a": a, "lora_b": jnp.zeros(b_shape, weight.dtype)})
+    a = layers.fan_in_init(fan_in_axes)(jax.random.fold_in(rng, i), a_shape, jnp.float32)
+    _set(adapters, path, {"lora_a": a, "lora_b": jnp.zeros(b_shape, jnp.float32)})
   return adapters
 
 

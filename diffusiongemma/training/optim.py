@@ -22,6 +22,7 @@ class OptimizerSettings:
   adam_b2: float = 0.95
   weight_decay: float = 0.01
   grad_clip: float = 1.0
+  mu_dtype: str = ""  # Adam's first moment: '' the parameters' dtype, or 'bfloat16'
 
   def __post_init__(self):
     for field in ("learning_rate", "final_learning_rate_ratio", "weight_decay", "grad_clip"):
@@ -31,12 +32,15 @@ class OptimizerSettings:
     for field in ("adam_b1", "adam_b2"):
       if not 0 <= getattr(self, field) < 1:
         raise ValueError(f"config.train.{field}={getattr(self, field)!r} is invalid: must be in [0, 1).")
+    if self.mu_dtype not in MU_DTYPES:
+      raise ValueError(f"config.train.mu_dtype={self.mu_dtype!r} is invalid; expected one of {MU_DTYPES}.")
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any]) -> "OptimizerSettings":
     return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
+MU_DTYPES = ("", "float32", "bfloat16")
 OPTIMIZER_FIELDS = tuple(f.name for f in dataclasses.fields(OptimizerSettings))
 
 
@@ -70,5 +74,5 @@ def make_optimizer(train: Mapping[str, Any] | OptimizerSettings) -> optax.Gradie
     transforms.append(optax.clip_by_global_norm(float(train.grad_clip)))
   transforms.append(optax.adamw(learning_rate_schedule(train), b1=float(train.adam_b1),
                                 b2=float(train.adam_b2), weight_decay=float(train.weight_decay),
-                                mask=_decay_mask))
+                                mask=_decay_mask, mu_dtype=train.mu_dtype or None))
   return optax.chain(*transforms)

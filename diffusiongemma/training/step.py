@@ -25,7 +25,7 @@ class NonFiniteError(FloatingPointError):
 def make_train_step(model, optimizer: optax.GradientTransformation, loss_config: loss_lib.LossConfig, *,
                     num_canvases: int, schedule: optax.Schedule | None = None,
                     state_sharding=None, batch_sharding=None, merge: Callable | None = None,
-                    frozen_sharding=None) -> Callable:
+                    frozen_sharding=None, grad_accum_steps: int = 1) -> Callable:
   """`step(state, batch) -> (state, metrics)`, jitted with the state donated.
 
   With `merge` (LoRA, `training.lora`) the step is `step(state, batch, frozen)`: the loss sees the
@@ -37,20 +37,43 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
   split over the batch axes and returns replicated metrics; it is traced and run under
   `jax.set_mesh(mesh)` so that code inside it (e.g. expert-parallel `shard_map`) finds the mesh.
 
+  `grad_accum_steps` k > 1 runs the model on k micro-batches in turn (a `lax.scan`; micro-batch j holds rows
+  j, j + k, ... so that each spans every device's rows) and sums their gradients: the loss terms of a
+  micro-batch are its sums over the whole batch's denominators, with the whole batch's random draws
+  (`loss.prepare`), so the update equals the whole batch's while only one micro-batch's activations live.
+
   The loss randomness is `fold_in(state.rng, state.step)`. A step whose loss, AR loss, diffusion loss
   or gradient norm is not finite leaves params and optimizer state unchanged (the step counter still
   advances, so the data and the randomness move on) and reports `finite = 0`; the caller decides
   whether that is an error (`check_finite`).
   """
+  if grad_accum_steps > 1 and loss_config.certainty_weight > 0:
+    raise ValueError(f"config.train.grad_accum_steps={grad_accum_steps} with config.diffusion.certainty_weight="
+                     f"{loss_config.certainty_weight}: certainty forcing averages over the positions a batch already "
+                     "predicts right, which micro-batches cannot share; use grad_accum_steps=1.")
 
   def step(state: TrainState, batch: Mapping[str, Array], frozen=None):
     rng = jax.random.fold_in(state.rng, state.step)
+    examples = loss_lib.prepare(model, batch, rng, loss_config, num_canvases=num_canvases)
+    norms = loss_lib.normalizers(examples, loss_config)
 
-    def loss_fn(params):
+    def loss_fn(params, rows):
       variables = params if merge is None else merge(frozen, params)
-      return loss_lib.diffusion_loss(model, variables, batch, rng, loss_config, num_canvases=num_canvases)
+      return loss_lib.loss_terms(model, variables, rows, norms, loss_config)
 
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if grad_accum_steps == 1:
+      (_, metrics), grads = grad_fn(state.params, examples)
+    else:
+      micro = jax.tree.map(lambda x: _micro_batches(x, grad_accum_steps), examples)
+
+      def accumulate(total, rows):
+        (_, metrics), grads = grad_fn(state.params, rows)
+        return jax.tree.map(jnp.add, total, (grads, metrics)), None
+
+      shapes = jax.eval_shape(grad_fn, state.params, jax.tree.map(lambda x: x[0], micro))
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), (shapes[1], shapes[0][1]))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, micro)
     metrics["grad_norm"] = optax.tree.norm(grads)
     finite = jnp.all(jnp.stack([jnp.isfinite(metrics[k]) for k in GUARDED_METRICS]))
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -70,6 +93,15 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
   jitted = jax.jit(step, donate_argnums=0, in_shardings=in_shardings,
                    out_shardings=(state_sharding, replicated))
   return under_mesh(jitted, batch_sharding.mesh)
+
+
+def _micro_batches(x: Array, k: int) -> Array:
+  """[B, ...] -> [k, B/k, ...], micro-batch j holding rows j, j + k, ...: every device's share of the batch
+  is split alike, so each micro-batch keeps the batch's sharding."""
+  if x.shape[0] % k:
+    raise ValueError(f"The batch of {x.shape[0]} rows does not split into config.train.grad_accum_steps={k} "
+                     "equal micro-batches.")
+  return jnp.swapaxes(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 0, 1)
 
 
 def make_eval_step(model, loss_config: loss_lib.LossConfig, *, num_canvases: int, params_sharding=None,

@@ -36,9 +36,10 @@ class LoopSettings:
   time_budget_s: float = 0.0  # stop (and save) once the whole run (resumes included) trained this long; 0: none
   nan_policy: str = "error"  # 'error' (stop, naming step and metric) | 'skip' (drop the update)
   seed: int = 0
+  grad_accum_steps: int = 1  # micro-batches per update (the same update as the whole batch)
 
   def __post_init__(self):
-    for name in ("batch_size", "log_every", "checkpoint_every", "keep_checkpoints"):
+    for name in ("batch_size", "log_every", "checkpoint_every", "keep_checkpoints", "grad_accum_steps"):
       if _int(getattr(self, name)) < 1:
         raise ValueError(f"config.train.{name} must be an integer >= 1, got {getattr(self, name)!r}.")
     for name in ("num_steps", "eval_every", "eval_batches"):
