@@ -159,6 +159,16 @@ MUTATIONS = (
              '      if f.read(1) != b"\\n":',
              "      if False:",
              ("tests/test_prepared_data.py::test_every_source_kind_prepares_the_stream_that_reading_it_gives",)),
+    Mutation("micro-batches normalised by their own counts (accumulation off by the batch split)",
+             "diffusiongemma/training/step.py",
+             "      return loss_lib.loss_terms(model, variables, rows, norms, loss_config)",
+             "      return loss_lib.loss_terms(model, variables, rows, loss_lib.normalizers(rows, loss_config), loss_config)",
+             ("tests/test_train_step.py::test_gradient_accumulation_is_the_whole_batch_update",)),
+    Mutation("the released config training bfloat16 master weights",
+             "diffusiongemma/build/tasks.py",
+             '  return model_cfg if config.train.get("lora_rank", 0) else model_cfg.replace(param_dtype=dtype)',
+             "  return model_cfg",
+             ("tests/test_train_step.py::test_every_config_trains_float32_master_weights_and_moments",)),
 )
 
 
