@@ -1,8 +1,9 @@
 """Measuring helpers shared by the benchmark scripts: XLA cost analysis, the matmuls of a step one at a time,
 and the measurements more than one script reports (the train step, the MoE layer against a dense MLP, a
 denoising step taken apart, ours against transformers' `generate` on one random model, batching's runs), with
-the useful FLOPs of a pass, a generation and a train step counted from the model's shapes. The timer, the in-run machine peaks and a result's provenance are
-`diffusiongemma.timing` (shared with `projects/`), re-exported here under their old names.
+the useful FLOPs of a pass, a generation and a train step counted from the model's shapes. The timer, the
+in-run machine peaks and a result's provenance are `diffusiongemma.timing` (shared with `projects/`),
+re-exported here under their old names.
 """
 
 from __future__ import annotations
