@@ -177,16 +177,18 @@ def _vs_transformers(s: dict) -> dict:
 
 def _text_flops(cfg, decoder: str, prompts, new_tokens: list[int], passes: int) -> float:
   """Useful FLOPs of one decoding of `prompts` (per row, at its mean cache length): the prompts encoded;
-  AR: one encoder step per new token; block diffusion: its denoiser passes and every canvas but the last
-  committed; self-speculative: per pass a denoiser pass over the block and the encoder checking it."""
+  AR: one encoder step per new token; block diffusion: its denoiser passes (self-conditioned: the first of a
+  canvas is not, a small overcount) and every canvas but the last committed; self-speculative: per pass a
+  denoiser pass over the block (no self-conditioning) and the encoder checking it."""
   c = cfg.canvas_length
   cache = int(np.mean([len(p) for p in prompts]) + np.mean(new_tokens) / 2)
   flops = sum(measure.encoder_flops(cfg, 1, len(p)) for p in prompts)
   if decoder == "ar":
     return flops + sum(new_tokens) * measure.encoder_flops(cfg, 1, 1, cache)
+  if decoder == "speculative":  # a denoiser pass with no self-conditioning, then the encoder over its block
+    return flops + passes * (measure.denoiser_flops(cfg, 1, cache, self_conditioning=False)
+                             + measure.encoder_flops(cfg, 1, c, cache))
   flops += passes * measure.denoiser_flops(cfg, 1, cache)
-  if decoder == "speculative":
-    return flops + passes * measure.encoder_flops(cfg, 1, c, cache)
   commits = sum(max(math.ceil(n / c) - 1, 0) for n in new_tokens)
   return flops + commits * measure.encoder_flops(cfg, 1, c, cache)
 
