@@ -324,14 +324,23 @@ def run_section(name: str, s: dict) -> dict:
   return out
 
 
+def _environment(name: str, env) -> None:
+  """A section's process settings, in `env` (os.environ in the process itself): JAX capped at 45% of the device
+  where torch shares it; for --smoke, XLA's LLVM optimisation off, as compiling is most of a smoke run and
+  its timings mean nothing (a fifth less CPU here)."""
+  if name == "vs_transformers":  # JAX would otherwise reserve 75% of the GPU
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+  if _SMOKE.value:
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+
 def _child(name: str, part: pathlib.Path, timeout: float) -> dict:
   """`run_section` in a fresh process (the settings come from the flags it is given), or the error."""
   passed = [f"--layers={_LAYERS.value}", "--smoke" if _SMOKE.value else "--nosmoke"]
   if _COMPILATION_CACHE.value:
     passed.append(f"--compilation_cache={_COMPILATION_CACHE.value}")
   env = dict(os.environ)
-  if name == "vs_transformers":  # torch shares the GPU with JAX, which would take 75% of it
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")
+  _environment(name, env)
   command = [sys.executable, "-m", "benchmarks.accelerator", f"--section={name}", f"--output={part}", *passed]
   try:
     done = subprocess.run(command, cwd=_ROOT, env=env, timeout=timeout, check=False, stderr=subprocess.PIPE,
@@ -421,8 +430,8 @@ def main(argv):
   isolate = _ISOLATE.value
   if isolate:  # the parent must not take the accelerator (JAX would reserve most of its memory): CPU only
     jax.config.update("jax_platforms", "cpu")
-  else:
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # torch shares the device (section 1)
+  else:  # before the device is first used
+    _environment("vs_transformers" if "vs_transformers" in _SECTIONS.value else "", os.environ)
     parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   jobs = _JOBS.value or (2 if _SMOKE.value else 1)
   if jobs > 1 and not isolate:
