@@ -17,7 +17,7 @@ section's peak device memory is its own), within `--time_limit` seconds in all:
 Every section records its settings, its wall seconds (compilation included), the useful FLOPs it ran
 (counted from the shapes and the passes each call made), the device's peak memory (`memory_stats`, None
 where the backend has none) and its error (None when it ran). MFU is against a datasheet's dense bf16 peak
-for the device kind (`PEAKS`) and against a bf16 matmul peak measured in the run (on a CPU, the only one).
+for the device kind (`PEAKS`; on a CPU, the measured one) and against a bf16 matmul peak measured in the run.
 The JSON is rewritten after every section; the exit status is 1 when any section failed. The schema, the
 wheels to carry and the time estimate: docs/performance.md, "On an accelerator".
 
@@ -118,10 +118,11 @@ def _peaks() -> dict:
 
 
 def _mfus(flops_per_second: float, peaks: dict) -> dict:
-  """MFU against the datasheet peak (None where the device kind is not in `PEAKS`) and the measured one."""
-  table = peaks["datasheet_peak_flops"]
-  return {"mfu": None if table is None else flops_per_second / table,
-          "mfu_of_measured_peak": flops_per_second / peaks["matmul_peak_flops"]}
+  """MFU against the device kind's datasheet peak, or the measured one where the kind is not in `PEAKS` (a
+  CPU); `mfu_peak` says which; and against the measured one always."""
+  table, measured = peaks["datasheet_peak_flops"], peaks["matmul_peak_flops"]
+  return {"mfu": flops_per_second / (table or measured), "mfu_peak": "measured" if table is None else "datasheet",
+          "mfu_of_measured_peak": flops_per_second / measured}
 
 
 def _compile_all(calls) -> float:

@@ -123,7 +123,8 @@ def test_accelerator_smoke_run_measures_every_section(tmp_path):
   assert text["speculative_at_temperature"].startswith("not available")
   train = sections["train"]
   assert train["seconds_per_step"] > 0 and train["tokens_per_second"] > 0 and train["mfu_of_measured_peak"] > 0
-  assert train["mfu"] is None and train["settings"]["remat"]  # no datasheet peak for a CPU
+  assert train["mfu"] == train["mfu_of_measured_peak"] and train["mfu_peak"] == "measured"  # a CPU has no datasheet
+  assert train["settings"]["remat"] and train["settings"]["compute_dtype"] == "bfloat16"
   batching = sections["batching"]
   assert [r["batch_size"] for r in batching["runs"]] == [1, 2] and batching["best_over_batch_1"] > 0
   assert all(r["passes_per_row"] == 12 for r in batching["runs"])
