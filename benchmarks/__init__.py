@@ -4,6 +4,7 @@
   python -m benchmarks.suite --config=configs/tiny.py    # diffusion vs AR, MFU, step breakdown, MoE, training
   python -m benchmarks.moe                               # the MoE layer: grouped vs ragged vs dense
   python -m benchmarks.constraints                       # constrained decoding's cost
+  python -m benchmarks.accelerator --output=results/accelerator_h100.json   # everything a lent GPU can measure
   (or `python benchmarks/<name>.py ...`)
 
 Shared helpers: `measure` (XLA costs, the step taken apart; the timer, in-run machine peaks and provenance

@@ -9,7 +9,8 @@ of the full bucket, and no token stops a row (`stop_tokens=()`), so every row wr
 canvas runs to the sampler's stopping rule or step cap (a batch to its slowest row's, as a served batch).
 Every pass is streamed to a host listener that does nothing (`on_pass`, as the server streams every pass).
 Batch sizes are alternated `--repeats` times (best kept) on a quiet machine (`--max_load`); the JSON records
-the load averages, a matmul peak and every setting.
+the load averages, a matmul peak and every setting. The runs are `measure.shape_runs` (`benchmarks.accelerator`
+times the same on an accelerator).
 
   python -m benchmarks.batching --hf_checkpoint=DIR --output=results/batching.json
 """
@@ -22,9 +23,8 @@ import pathlib
 
 from absl import app
 from absl import flags
-import jax
-import numpy as np
 
+from benchmarks import measure
 from diffusiongemma import build
 from diffusiongemma import timing
 
@@ -32,7 +32,7 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Weight and compute dtype (as scripts/serve.py).")
 _OUTPUT = flags.DEFINE_string("output", None, "Where the JSON goes.")
-_SHAPES = flags.DEFINE_list("shapes", ["64x2", "256x8", "1024x8", "1024x64"],
+_SHAPES = flags.DEFINE_list("shapes", [f"{p}x{c}" for p, c in measure.SERVING_SHAPES],
                             "PROMPTxCANVASES: prompt bucket (tokens) and reply canvases of each program timed.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes (1 must be among them).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs of each batch size (alternated, best kept).")
@@ -46,32 +46,6 @@ def parse_shape(text: str) -> tuple[int, int]:
   if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
     raise ValueError(f"A shape is PROMPTxCANVASES with two positive integers (e.g. 256x8), got {text!r}.")
   return int(parts[0]), int(parts[1])
-
-
-def _ignore(event) -> None:
-  del event
-
-
-def shape_runs(sampler, variables, prompt: int, canvases: int, batch_sizes, repeats: int) -> list[dict]:
-  """One row per batch size: seconds of one `generate` call (best of `repeats`, alternated), rows per
-  second, that rate over batch 1's, and the denoiser passes a row took."""
-  rng = np.random.default_rng(0)
-  vocab = sampler.model.config.vocab_size
-
-  def call(b: int):
-    tokens = rng.integers(vocab // 2, vocab, (b, prompt)).astype(np.int32)
-    def run():
-      out = sampler.generate(variables, tokens, jax.random.key(0), canvases * sampler.canvas_length,
-                             prompt_lengths=np.full((b,), prompt, np.int32),
-                             temperature_scale=np.ones((b,), np.float32), on_pass=_ignore)
-      return out.tokens, out.num_denoiser_passes
-    return run
-
-  timings = timing.alternate_all({b: call(b) for b in batch_sizes}, repeats)
-  one = timings[1].best
-  return [{"prompt_bucket": prompt, "canvases": canvases, "batch_size": b, "seconds": t.best,
-           "rows_per_second": b / t.best, "over_batch_1": b * one / t.best,
-           "passes_per_row": float(np.mean(t.output[1]))} for b, t in timings.items()]
 
 
 def main(argv):
@@ -88,7 +62,7 @@ def main(argv):
   sampler = loaded.sampler.replace(config=loaded.sampler.config.replace(stop_tokens=()))
   rows = []
   for prompt, canvases in shapes:
-    rows += shape_runs(sampler, loaded.weights.variables, prompt, canvases, batch_sizes, _REPEATS.value)
+    rows += measure.shape_runs(sampler, loaded.weights.variables, prompt, canvases, batch_sizes, _REPEATS.value)
     for row in rows[-len(batch_sizes):]:
       print(f"prompt {prompt} x {canvases} canvases, batch {row['batch_size']}: {row['seconds']:.3f} s, "
             f"{row['over_batch_1']:.2f}x batch 1's rows/s, {row['passes_per_row']:.0f} passes a row", flush=True)

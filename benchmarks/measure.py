@@ -1,20 +1,25 @@
 """Measuring helpers shared by the benchmark scripts: XLA cost analysis, the matmuls of a step one at a time,
 and the measurements more than one script reports (the train step, the MoE layer against a dense MLP, a
-denoising step taken apart). The timer, the in-run machine peaks and a result's provenance are
-`diffusiongemma.timing` (shared with `projects/`), re-exported here under their old names.
+denoising step taken apart, ours against transformers' `generate` on one random model, batching's runs), with
+the useful FLOPs of a pass, a generation and a train step counted from the model's shapes. The timer, the
+in-run machine peaks and a result's provenance are `diffusiongemma.timing` (shared with `projects/`),
+re-exported here under their old names.
 """
 
 from __future__ import annotations
 
 import math
+import pathlib
 import time
 from collections.abc import Callable
 
 import jax
 from jax.extend import core as jax_core
 import jax.numpy as jnp
+import numpy as np
 
 from diffusiongemma import build
+from diffusiongemma import timing
 from diffusiongemma import training
 from diffusiongemma.model import DiffusionGemma, ModelConfig
 from diffusiongemma.model import layers
@@ -140,24 +145,82 @@ def moe_against_dense(cfg: ModelConfig, tokens: int, repeats: int = 3, seed: int
           "top_k": cfg.top_k}
 
 
-def denoiser_flops(cfg: ModelConfig, batch_size: int, cache_length: int) -> float:
+def _layer_flops(cfg: ModelConfig, layer: int, keys: float) -> float:
+  """Useful FLOPs of one position through layer `layer` attending to `keys` keys (2 per multiply-add): the
+  projections, attention (q k^T and p v), the dense MLP, the router and the chosen experts only."""
+  d = cfg.hidden_size
+  kv_heads, head_dim = cfg.layer_dims(layer)
+  shares = cfg.layer_types[layer] == "full" and cfg.full_k_eq_v
+  macs = d * cfg.num_heads * head_dim * 2 + d * kv_heads * head_dim * (1 if shares else 2)
+  macs += 2 * cfg.num_heads * head_dim * keys
+  macs += 3 * d * cfg.intermediate_size + d * cfg.num_experts + cfg.top_k * 3 * d * cfg.moe_intermediate_size
+  return 2.0 * macs
+
+
+def _keys(cfg: ModelConfig, layer: int, cache_length: float, extra: float) -> float:
+  """Keys a position sees in `layer`: the cache (a sliding layer: its last W - 1 positions) plus `extra`."""
+  full = cfg.layer_types[layer] == "full"
+  return (cache_length if full else min(cache_length, cfg.sliding_window - 1)) + extra
+
+
+def denoiser_flops(cfg: ModelConfig, batch_size: int, cache_length: int, self_conditioning: bool = True) -> float:
   """Useful FLOPs of one denoiser pass over a canvas after `cache_length` cached positions, counted from
   the model's shapes (2 per multiply-add): every projection, the chosen experts only (top-k), attention over
   the keys each layer sees (sliding: the last W - 1 cached ones; full: all) plus the canvas, the
   self-conditioning MLP, and the vocabulary head's two matmuls (the LM head and the soft embedding
-  softmax(l / T) @ E). Padding, masked keys and unused expert tiles are not counted."""
+  softmax(l / T) @ E); without `self_conditioning` (a first pass, or training's pass 1) the LM head alone.
+  Padding, masked keys and unused expert tiles are not counted."""
   d, c = cfg.hidden_size, cfg.canvas_length
-  per_token = 3 * d * cfg.intermediate_size + 2 * cfg.vocab_size * d  # self-conditioning MLP; head, soft
+  per_token = 2.0 * (3 * d * cfg.intermediate_size + 2 * cfg.vocab_size * d) if self_conditioning else (
+      2.0 * cfg.vocab_size * d)
+  per_token += sum(_layer_flops(cfg, i, _keys(cfg, i, cache_length, c)) for i in range(cfg.num_layers))
+  return per_token * batch_size * c
+
+
+def encoder_flops(cfg: ModelConfig, batch_size: int, length: int, cache_length: int = 0) -> float:
+  """Useful FLOPs of the causal encoder over `length` tokens after `cache_length` cached ones, its LM head
+  on every token included (as training's AR loss and a decoding step compute it): position i sees the
+  cache and positions 0..i, a sliding layer at most W of them."""
+  flops = 2.0 * cfg.vocab_size * cfg.hidden_size * length
   for layer in range(cfg.num_layers):
-    kv_heads, head_dim = cfg.layer_dims(layer)
     full = cfg.layer_types[layer] == "full"
-    shares = full and cfg.full_k_eq_v
-    keys = c + (cache_length if full else min(cache_length, cfg.sliding_window - 1))
-    per_token += d * cfg.num_heads * head_dim * 2 + d * kv_heads * head_dim * (1 if shares else 2)
-    per_token += 2 * cfg.num_heads * head_dim * keys  # q k^T and p v
-    per_token += 3 * d * cfg.intermediate_size + d * cfg.num_experts
-    per_token += cfg.top_k * 3 * d * cfg.moe_intermediate_size
-  return 2.0 * per_token * batch_size * c
+    keys = sum(cache_length + i + 1 if full else min(cache_length + i + 1, cfg.sliding_window)
+               for i in range(length))
+    # A layer's FLOPs are affine in the keys: `length` positions' fixed part, then every key once.
+    flops += (length - 1) * _layer_flops(cfg, layer, 0) + _layer_flops(cfg, layer, keys)
+  return flops * batch_size
+
+
+def generation_flops(cfg: ModelConfig, batch_size: int, prompt_length: int, canvas_passes) -> float:
+  """Useful FLOPs of one block-diffusion generation: the prompt encoded, then for canvas j its passes (the
+  row's most, as a batch runs them; the first without a self-conditioning signal) after the prompt and j
+  canvases, and every canvas but the last committed (encoded)."""
+  c, flops = cfg.canvas_length, encoder_flops(cfg, batch_size, prompt_length)
+  for j, passes in enumerate(canvas_passes):
+    cache = prompt_length + j * c
+    if passes:
+      flops += (denoiser_flops(cfg, batch_size, cache, self_conditioning=False)
+                + (passes - 1) * denoiser_flops(cfg, batch_size, cache))
+    if j < len(canvas_passes) - 1:
+      flops += encoder_flops(cfg, batch_size, c, cache)
+  return flops
+
+
+def train_step_flops(cfg: ModelConfig, batch_size: int, prompt_length: int, num_canvases: int,
+                     self_conditioning: bool = True) -> float:
+  """Useful FLOPs of one train step of `diffusion.loss` (one canvas per row, the mean over which canvas):
+  forward and backward (3x forward) of the encoder over the whole sequence and of the denoiser's graded
+  pass, plus the forward alone of the self-conditioning pass whose gradient is stopped. Rematerialisation's
+  recomputation is not useful work (the convention of MFU); the optimizer's update is left out (per
+  parameter, a few FLOPs)."""
+  c = cfg.canvas_length
+  encoder = encoder_flops(cfg, batch_size, prompt_length + num_canvases * c)
+  graded = first = 0.0
+  for j in range(num_canvases):
+    cache = prompt_length + j * c
+    graded += denoiser_flops(cfg, batch_size, cache, self_conditioning=self_conditioning) / num_canvases
+    first += denoiser_flops(cfg, batch_size, cache, self_conditioning=False) / num_canvases
+  return 3.0 * (encoder + graded) + (first if self_conditioning else 0.0)
 
 
 def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, float]:
@@ -204,3 +267,106 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   out["xla_flops"] = cost(body, variables, cache, state)["flops"] + cost(head, variables, hidden)["flops"]
   out["useful_flops"] = denoiser_flops(cfg, b, int(prompts.shape[1]))
   return out
+
+
+# The random DiffusionGemma sizes of the side-by-side runs (`vs_transformers`, `accelerator`): transformers
+# config fields, then (prompt length, new tokens).
+_COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
+               num_global_key_value_heads=1)
+SIZES = {
+    "tiny": (dict(hidden_size=64, num_hidden_layers=2, **{**_COMMON, "head_dim": 16, "global_head_dim": 32},
+                  sliding_window=16, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+                  top_k_experts=2, vocab_size=512, canvas_length=32), (16, 64)),
+    "small": (dict(hidden_size=256, num_hidden_layers=6, **_COMMON, sliding_window=128, intermediate_size=512,
+                   moe_intermediate_size=256, num_experts=16, top_k_experts=2, vocab_size=8192,
+                   canvas_length=256), (64, 256)),
+    "realistic": (dict(hidden_size=1536, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=1024,
+                       intermediate_size=1536, moe_intermediate_size=384, num_experts=32, top_k_experts=4,
+                       vocab_size=262_144, canvas_length=256), (64, 256)),
+}
+
+
+def transformers_model(folder: pathlib.Path, fields: dict, dtype: str, threads: int = 2,
+                       released_layers: bool = False):
+  """(hf_reference, the random transformers DiffusionGemma of `fields` on its device in `dtype`, the torch
+  device name): built and saved into `folder` (`hf_reference.make_tiny_hf`; with `released_layers`, the
+  released layer pattern), or loaded when `folder` already holds one. CUDA when torch has it, else the CPU
+  with `threads` threads."""
+  import torch  # pylint: disable=g-import-not-at-top  (the `hf` extra)
+  from benchmarks import hf_reference  # pylint: disable=g-import-not-at-top
+  if (folder / "config.json").exists():
+    model = hf_reference.load_hf(folder, attn_implementation="sdpa")
+  else:
+    layer_types = hf_reference.released_layer_types(fields["num_hidden_layers"]) if released_layers else None
+    model = hf_reference.make_tiny_hf(folder, seed=0, attn_implementation="sdpa", layer_types=layer_types,
+                                      **fields)
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  if device == "cpu":
+    torch.set_num_threads(threads)
+  return hf_reference, model.to(device=device, dtype=getattr(torch, dtype)), device
+
+
+def passes_per_canvas(out) -> float:
+  """Mean denoiser passes over the canvases a generation ran (`SampleOutput.canvas_passes` > 0)."""
+  passes = np.asarray(out.canvas_passes)
+  return float(passes[passes > 0].mean())
+
+
+def side_by_side(sampler, params, hf_reference, hf_model, prompts, hf_kwargs, new_tokens, repeats) -> dict:
+  """One figure: ours and transformers' generate alternated (`alternate`) on the same prompts: seconds
+  (median; `_best_seconds` the fastest), every run, compile seconds, tokens/s of each (median and best), passes
+  per canvas, and `ratio` (ours / transformers tokens/s, medians; `best_ratio` of the fastest runs)."""
+  ours = lambda: sampler.generate(params, prompts, jax.random.key(1), new_tokens)
+  theirs = lambda: hf_reference.generate(hf_model, prompts, **hf_kwargs)
+  timings = dict(zip(("ours", "hf"), alternate(ours, theirs, repeats)))
+  b = prompts.shape[0]
+  row = {"batch_size": int(b), "vocab_chunk": sampler.head.chunk_for(b * sampler.model.config.canvas_length)}
+  for name, t in timings.items():
+    row.update({f"{name}_seconds": t.median, f"{name}_best_seconds": t.best, f"{name}_runs": t.runs,
+                f"{name}_compile_seconds": t.compile_seconds, f"{name}_tokens_per_second": b * new_tokens / t.median,
+                f"{name}_best_tokens_per_second": b * new_tokens / t.best})
+  row["ours_passes_per_canvas"] = passes_per_canvas(timings["ours"].output)
+  canvases = -(-new_tokens // sampler.model.config.canvas_length)  # every row runs them all: no stop tokens
+  row["hf_passes_per_canvas"] = float(np.mean(new_tokens / timings["hf"].output[1])) / canvases
+  row["ratio"] = row["ours_tokens_per_second"] / row["hf_tokens_per_second"]
+  row["best_ratio"] = row["ours_best_tokens_per_second"] / row["hf_best_tokens_per_second"]
+  row["ours_canvas_passes"] = np.asarray(timings["ours"].output.canvas_passes).max(0).tolist()
+  return row
+
+
+# benchmarks.batching's shapes: (prompt bucket, reply canvases) of the serving grid's programs.
+SERVING_SHAPES = ((64, 2), (256, 8), (1024, 8), (1024, 64))
+
+
+def _ignore(event) -> None:
+  del event
+
+
+def shape_call(sampler, variables, prompt: int, canvases: int, batch_size: int, rng: np.random.Generator):
+  """One call of `shape_runs` (a function of nothing): `generate` on `batch_size` random prompts of the full
+  bucket, no stop token, every pass streamed to a host listener that does nothing (as the server streams).
+  Returns its tokens, each row's denoiser passes and each canvas's."""
+  vocab = sampler.model.config.vocab_size
+  tokens = rng.integers(vocab // 2, vocab, (batch_size, prompt)).astype(np.int32)
+
+  def run():
+    out = sampler.generate(variables, tokens, jax.random.key(0), canvases * sampler.canvas_length,
+                           prompt_lengths=np.full((batch_size,), prompt, np.int32),
+                           temperature_scale=np.ones((batch_size,), np.float32), on_pass=_ignore)
+    return out.tokens, out.num_denoiser_passes, out.canvas_passes
+  return run
+
+
+def shape_runs(sampler, variables, prompt: int, canvases: int, batch_sizes, repeats: int) -> list[dict]:
+  """`benchmarks.batching`'s rows at one shape, one per batch size: seconds of one `shape_call` (best of
+  `repeats`, alternated), rows per second, that rate over batch 1's, the denoiser passes a row took, and the
+  passes of each canvas (the batch's most)."""
+  rng = np.random.default_rng(0)
+  timings = timing.alternate_all({b: shape_call(sampler, variables, prompt, canvases, b, rng) for b in batch_sizes},
+                                 repeats)
+  one = timings[1].best
+  return [{"prompt_bucket": prompt, "canvases": canvases, "batch_size": b, "seconds": t.best,
+           "rows_per_second": b / t.best, "over_batch_1": b * one / t.best,
+           "passes_per_row": float(np.mean(t.output[1])),
+           "canvas_passes": np.asarray(t.output[2]).max(0).tolist()} for b, t in timings.items()]

@@ -19,6 +19,8 @@ Also, ours alone: the AR baseline (`dg.ARSampler`, greedy) at the fixed-steps ba
 step taken apart (`measure.step_breakdown`: denoiser, vocabulary head, bare LM head, the whole step, MFU of
 the step and of denoiser + head), and for float32 runs a bf16 copy of ours against it (speed and token
 agreement from the same initial canvas and seed).
+The model sizes, the transformers model and one side-by-side figure are `measure`'s (`SIZES`,
+`transformers_model`, `side_by_side`), shared with `benchmarks.accelerator`.
 
   python -m benchmarks.vs_transformers --output=workdir/benchmark_vs_transformers.json   # quiet machine
   python -m benchmarks.vs_transformers --size=tiny --quick --allow_load                  # a smoke run
@@ -77,20 +79,7 @@ _OUTPUT = flags.DEFINE_string("output", "workdir/benchmark_vs_transformers.json"
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Folder for the random transformers checkpoint "
                                   "(default: a temporary one; an existing one is reused).")
 
-_COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=64, global_head_dim=128,
-               num_global_key_value_heads=1)
-SIZES = {  # transformers config fields, then (prompt length, new tokens)
-    "tiny": (dict(hidden_size=64, num_hidden_layers=2, **{**_COMMON, "head_dim": 16, "global_head_dim": 32},
-                  sliding_window=16, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
-                  top_k_experts=2, vocab_size=512, canvas_length=32), (16, 64)),
-    "small": (dict(hidden_size=256, num_hidden_layers=6, **_COMMON, sliding_window=128, intermediate_size=512,
-                   moe_intermediate_size=256, num_experts=16, top_k_experts=2, vocab_size=8192,
-                   canvas_length=256), (64, 256)),
-    "realistic": (dict(hidden_size=1536, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
-                       head_dim=256, global_head_dim=512, num_global_key_value_heads=2, sliding_window=1024,
-                       intermediate_size=1536, moe_intermediate_size=384, num_experts=32, top_k_experts=4,
-                       vocab_size=262_144, canvas_length=256), (64, 256)),
-}
+SIZES = measure.SIZES  # transformers config fields, then (prompt length, new tokens)
 
 
 def _check_load(machine: dict) -> list[str]:
@@ -105,46 +94,6 @@ def _check_load(machine: dict) -> list[str]:
     raise SystemExit(f"Refusing to run. {message} Wait for a quiet machine, or pass --allow_load.")
   print(f"WARNING: {message}", flush=True)
   return [message]
-
-
-def _transformers_model(folder: pathlib.Path, size: str, dtype: str):
-  """(hf_reference, the transformers model on its device in `dtype`, torch device name)."""
-  import torch  # pylint: disable=g-import-not-at-top  (the `hf` extra)
-  from benchmarks import hf_reference  # pylint: disable=g-import-not-at-top
-  fields, _ = SIZES[size]
-  if (folder / "config.json").exists():
-    model = hf_reference.load_hf(folder, attn_implementation="sdpa")
-  else:
-    layer_types = hf_reference.released_layer_types(fields["num_hidden_layers"]) if size == "realistic" else None
-    model = hf_reference.make_tiny_hf(folder, seed=0, attn_implementation="sdpa", layer_types=layer_types,
-                                      **fields)
-  device = "cuda" if torch.cuda.is_available() else "cpu"
-  if device == "cpu":
-    torch.set_num_threads(_THREADS.value)
-  return hf_reference, model.to(device=device, dtype=getattr(torch, dtype)), device
-
-
-def _passes(out) -> float:
-  passes = np.asarray(out.canvas_passes)
-  return float(passes[passes > 0].mean())
-
-
-def _side_by_side(sampler, params, hf_reference, hf_model, prompts, hf_kwargs, new_tokens, repeats) -> dict:
-  """One figure: ours and transformers' generate alternated (`measure.alternate`)."""
-  ours = lambda: sampler.generate(params, prompts, jax.random.key(1), new_tokens)
-  theirs = lambda: hf_reference.generate(hf_model, prompts, **hf_kwargs)
-  timings = dict(zip(("ours", "hf"), measure.alternate(ours, theirs, repeats)))
-  b = prompts.shape[0]
-  row = {"batch_size": int(b), "vocab_chunk": sampler.head.chunk_for(b * sampler.model.config.canvas_length)}
-  for name, timing in timings.items():
-    row.update({f"{name}_seconds": timing.median, f"{name}_runs": timing.runs,
-                f"{name}_compile_seconds": timing.compile_seconds,
-                f"{name}_tokens_per_second": b * new_tokens / timing.median})
-  row["ours_passes_per_canvas"] = _passes(timings["ours"].output)
-  canvases = -(-new_tokens // sampler.model.config.canvas_length)  # every row runs them all: no stop tokens
-  row["hf_passes_per_canvas"] = float(np.mean(new_tokens / timings["hf"].output[1])) / canvases
-  row["ratio"] = row["ours_tokens_per_second"] / row["hf_tokens_per_second"]
-  return row
 
 
 def _bf16(cfg, params, prompts, steps_config, new_tokens, repeats):
@@ -245,7 +194,8 @@ def main(argv):
   default_batches = [] if quick else [int(b) for b in _DEFAULT_BATCH_SIZES.value]
   folder = pathlib.Path(_CHECKPOINT.value or tempfile.mkdtemp(prefix="dg_vs_hf_"))
   folder.mkdir(parents=True, exist_ok=True)
-  hf_reference, hf_model, torch_device = _transformers_model(folder, size, dtype)
+  hf_reference, hf_model, torch_device = measure.transformers_model(
+      folder, SIZES[size][0], dtype, _THREADS.value, released_layers=size == "realistic")
   cfg, params = dg.convert.load_hf(folder, vision=None, dtype=dtype)
   cfg = cfg.replace(dtype=dtype, param_dtype=dtype)
   params = jax.device_put(params)  # load_hf gives host arrays: keep them from being copied at every call
@@ -281,7 +231,8 @@ def main(argv):
     sampler = dg.Sampler(model, ours_cfg, stopping=dg.diffusion.NoEarlyStop() if kind == "fixed" else None)
     for b in batches:
       prompts = rng.integers(3, cfg.vocab_size, (b, prompt_length))
-      row = _side_by_side(sampler, params, hf_reference, hf_model, prompts, hf_kwargs, new_tokens, repeats)
+      row = measure.side_by_side(sampler, params, hf_reference, hf_model, prompts, hf_kwargs, new_tokens,
+                                 repeats)
       row["kind"] = f"{_STEPS.value} fixed" if kind == "fixed" else "defaults (48, adaptive)"
       results["runs"].append(row)
       print(json.dumps(row), flush=True)

@@ -91,3 +91,43 @@ def test_vs_transformers_smoke_run_records_the_protocol(tmp_path):
   (breakdown,) = results["breakdown"]
   assert breakdown["step_mfu"] > 0 and breakdown["step_dots"] > 0 and breakdown["ratio_at_matmuls_alone"] > 0
   assert "LOADED MACHINE" in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_accelerator_smoke_run_measures_every_section(tmp_path):
+  """`benchmarks.accelerator --smoke` (tiny shapes on the CPU, each section in its own process, two at a time):
+  every section ran with no error and has its numbers, its settings, FLOPs equal to the plan's count where
+  passes are fixed, and the machine it ran on is recorded. A section that breaks fails this test."""
+  pytest.importorskip("transformers")
+  output = tmp_path / "accelerator.json"
+  result = subprocess.run([sys.executable, "-m", "benchmarks.accelerator", "--smoke", f"--output={output}"],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT, check=False)
+  assert output.exists(), result.stderr[-3000:]
+  results = json.loads(output.read_text())
+  sections = results["sections"]
+  assert list(sections) == ["vs_transformers", "text", "train", "batching"]
+  assert {name: s["error"] for name, s in sections.items()} == dict.fromkeys(sections), result.stderr[-3000:]
+  assert result.returncode == 0, result.stderr[-3000:]
+  for name, section in sections.items():
+    assert section["flops"] > 0 and section["seconds"] > 0 and section["settings"], name
+    assert "peak_memory_bytes" in section and section["compile_seconds"] >= 0, name
+  for name in ("vs_transformers", "train", "batching"):  # every pass at its cap: the plan's count is exact
+    assert sections[name]["flops"] == pytest.approx(results["plan"][name]["flops"], rel=1e-9), name
+  (run,) = sections["vs_transformers"]["runs"]
+  assert run["ours_best_tokens_per_second"] > 0 and run["hf_best_tokens_per_second"] > 0 and run["best_ratio"] > 0
+  assert run["ours_passes_per_canvas"] == run["hf_passes_per_canvas"] == 4 and run["ours_mfu_of_measured_peak"] > 0
+  text = sections["text"]
+  assert {r["decoder"] for r in text["runs"]} == {"speculative", "diffusion", "ar"}
+  assert all(r["tokens_per_second"] > 0 and r["tokens_per_model_call"] > 0 for r in text["runs"])
+  assert text["speculative_at_temperature"].startswith("not available")
+  train = sections["train"]
+  assert train["seconds_per_step"] > 0 and train["tokens_per_second"] > 0 and train["mfu_of_measured_peak"] > 0
+  assert train["mfu"] == train["mfu_of_measured_peak"] and train["mfu_peak"] == "measured"  # a CPU has no datasheet
+  assert train["settings"]["remat"] and train["settings"]["compute_dtype"] == "bfloat16"
+  batching = sections["batching"]
+  assert [r["batch_size"] for r in batching["runs"]] == [1, 2] and batching["best_over_batch_1"] > 0
+  assert all(r["passes_per_row"] == 12 for r in batching["runs"])
+  machine = results["machine"]
+  assert {"device", "backend", "jax", "jaxlib", "platform_version", "git_commit", "load_average",
+          "load_average_after"} <= set(machine)
