@@ -74,6 +74,11 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
+  def reached_preemption(self, step: int) -> bool:
+    """Whether every process stops after `step` on a SIGTERM one of them got (jax's preemption sync point,
+    through orbax); a collective check of a multi-process run, see `training.stopping`."""
+    return self.manager.reached_preemption(step)
+
   def save(self, step: int, state, data_state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
     """Starts an asynchronous save of `step` (forced: the caller decides when to save)."""
     self.manager.save(step, args=ocp.args.Composite(

@@ -6,7 +6,8 @@ description against the config that wrote it), restoring the parameters, optimiz
 iterator's position and the partial window of logged metrics, and dropping metric records of steps
 after that checkpoint. The randomness of step s is `fold_in(rng, s)` and the data of step s is the
 s-th batch of the seeded pipeline, so an interrupted run ends bit-identical to an uninterrupted one.
-SIGTERM (preemption) saves a checkpoint after the current step and returns cleanly.
+SIGTERM (preemption) saves a checkpoint after the current step and returns cleanly; with several processes,
+SIGTERM to any one of them, or the time budget, stops all of them after the same step (`stopping.StopRule`).
 
 Order of work per step: one batch, one jitted update, the NaN/Inf guard, then (at their intervals)
 the log line, evaluation and the checkpoint; metrics are flushed before a checkpoint is written.
@@ -23,9 +24,6 @@ import dataclasses
 import functools
 import json
 import pathlib
-import signal
-import threading
-
 from collections.abc import Callable
 
 from absl import logging
@@ -43,30 +41,10 @@ from diffusiongemma.training import metrics as metrics_lib
 from diffusiongemma.training import optim
 from diffusiongemma.training import state as state_lib
 from diffusiongemma.training import step as step_lib
+from diffusiongemma.training import stopping
 from diffusiongemma.training import validation
 from diffusiongemma.training.state import TrainState
 from diffusiongemma.training.task import Task
-
-
-class _Preemption:
-  """Turns SIGTERM into a flag the loop checks after each step (main thread only)."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
 
 
 def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
@@ -266,16 +244,14 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
       meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals()}
       checkpointer.save(step, state, train_iter.get_state(), meta)
 
-  def spent(train_s: float) -> bool:  # the budget counts the whole training, every resumed run included
-    return 0 < tc.time_budget_s <= train_s
-
   try:
-    with _Preemption() as preemption:
+    with stopping.StopRule(tc.time_budget_s, checkpointer.reached_preemption) as stop_rule:
       if fresh and tc.eval_every:
         run_eval()
       if step >= tc.num_steps and checkpointer.latest_step() != step:
         save()
-      already_spent = step < tc.num_steps and spent(elapsed["train_s"])  # by the runs this one resumes
+      # Spent by the runs this one resumes (the same saved number in every process).
+      already_spent = step < tc.num_steps and 0 < tc.time_budget_s <= elapsed["train_s"]
       if already_spent:
         logging.info("Time budget of %.0f s already spent (%.0f s of training up to step %d): no step to run.",
                      tc.time_budget_s, elapsed["train_s"], step)
@@ -303,13 +279,13 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
           logging.info("%s", progress.line(step, means))
         if tc.eval_every and (step % tc.eval_every == 0 or last):
           run_eval()
-        out_of_time = spent(clock.totals()["train_s"])
-        if step % tc.checkpoint_every == 0 or last or preemption.requested or out_of_time:
+        stop = None if last else stop_rule.reason(step, clock.totals()["train_s"])  # one answer in all processes
+        if step % tc.checkpoint_every == 0 or last or stop:
           save()
-        if preemption.requested:
+        if stop == stopping.SIGTERM:
           logging.warning("SIGTERM: saved the checkpoint of step %d; exiting.", step)
           break
-        if out_of_time:
+        if stop == stopping.TIME_BUDGET:
           logging.info("Time budget of %.0f s spent at step %d; saved and stopping.", tc.time_budget_s, step)
           break
   finally:
