@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import pathlib
 from collections.abc import Callable
 
 from absl import logging
@@ -47,7 +46,7 @@ from diffusiongemma.training.state import TrainState
 from diffusiongemma.training.task import Task
 
 
-def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
+def _write_config(workdir, config_json: dict) -> None:
   if not parallel.is_main_process():
     return
   _files.atomic_write(workdir / ckpt_lib.CONFIG_FILENAME, json.dumps(config_json, indent=2, sort_keys=True))
@@ -168,8 +167,9 @@ def to_global(batch, sharding: jax.sharding.NamedSharding):
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def workdir_path(workdir) -> pathlib.Path:
-  path = pathlib.Path(workdir)
+def workdir_path(workdir):
+  """`workdir` as an `etils.epath.Path` (a local folder or a gs:// URI, `_files.as_path`), checked."""
+  path = _files.as_path(workdir, "--workdir")
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir {str(path)!r} exists and is not a directory.")
   return path
@@ -319,7 +319,7 @@ def evaluate(task: Task, workdir, *, step: int | None = None, num_batches: int |
   results = setup.evaluate(state.params, val_ds, task.loop.eval_batches if num_batches is None else num_batches)
   results = {"step": step, **results}
   if parallel.is_main_process():
-    (workdir / "eval.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    _files.atomic_write(workdir / "eval.json", json.dumps(results, indent=2))
     writer = metrics_lib.JsonlWriter(workdir / metrics_lib.METRICS_FILENAME)
     writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items() if k != "step"})
     writer.close()
