@@ -4,18 +4,22 @@ storage, and resumes on another mesh. The tiny config, corpus and script helpers
 Every run here is a subprocess reading the session's shared compilation cache: the first launch of a shape
 compiles, the later ones load it, so each test starts one run alone before starting several at once."""
 
+import json
+import logging
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import jax
 import pytest
 
 from diffusiongemma import training
+from diffusiongemma.training import loop
 from diffusiongemma.training import stopping
-from test_training import _free_port, _losses, _script_args, _steps_saved, corpus, ROOT  # noqa: F401
+from test_training import _free_port, _losses, _script_args, _script_flags, _steps_saved, corpus, ROOT  # noqa: F401
 
 SLOW_PROCESS_0 = ROOT / "tests" / "_train_slow_process0.py"
 NO_EVAL = "--config.train.eval_every=0"  # one program fewer to compile
@@ -124,3 +128,50 @@ def test_sigterm_to_one_process_or_process_0s_budget_stops_all_at_one_step(corpu
   straight.finish(timeout=300)
   assert _losses(workdir) == _losses(tmp_path / "straight")
   assert [s for s, _ in _losses(workdir)] == list(range(1, n + 1))
+
+
+def test_a_checkpoint_records_its_topology_and_another_process_count_is_refused(caplog):
+  """The `meta` record of where a checkpoint was written: another mesh or device count is logged as a reshard,
+  another process count refused naming both counts (each process's slice of the data would change)."""
+  saved = {"mesh": {"data": 1, "fsdp": 4, "expert": 2, "tensor": 1}, "num_devices": 8, "num_processes": 1}
+  current = {"mesh": {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}, "num_devices": 1, "num_processes": 1}
+  with caplog.at_level(logging.INFO):
+    loop._check_topology(saved, current, 5)  # pylint: disable=protected-access
+  assert ("Resharding the checkpoint of step 5, written on mesh data=1 fsdp=4 expert=2 tensor=1 (8 devices in 1 "
+          "process), onto mesh data=1 fsdp=1 expert=1 tensor=1 (1 device in 1 process)") in caplog.text
+  with pytest.raises(ValueError, match="step 5 was written by 2 processes; this run has 1"):
+    loop._check_topology({**saved, "num_processes": 2}, current, 5)  # pylint: disable=protected-access
+  loop._check_topology(None, current, 5)  # pylint: disable=protected-access  (written before the record)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_8_devices_resumes_resharded_on_4_and_on_1(corpus, tmp_path):
+  """Written on 8 simulated devices (mesh fsdp=4, expert=2), a checkpoint resumes on 4 (fsdp=2, expert=2) and
+  then on 1: each time the restored parameters equal the saved ones (tests/_resume_on_mesh.py), the run logs
+  the reshard, and training goes on to its next step. One process throughout (the data slicing stays)."""
+  workdir = tmp_path / "run"
+  flags = {**_script_flags(corpus, 2), "train.batch_size": 8, "train.eval_every": 0, "train.checkpoint_every": 1}
+
+  def run(devices, mesh, num_steps, *command):
+    overrides = {**flags, "train.num_steps": num_steps, **{f"mesh.{a}": n for a, n in mesh.items()}}
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
+    if not command:
+      command = (str(ROOT / "tests" / "_resume_on_mesh.py"), str(workdir), json.dumps(overrides))
+    out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+  first = _script_args(corpus, workdir, 2, *(f"--config.{k}={v}" for k, v in
+                                             {**flags, "mesh.data": 1, "mesh.fsdp": 4, "mesh.expert": 2}.items()))
+  run(8, {}, 2, *first[1:])
+  assert _steps_saved(workdir)[-1] == 2
+  out = run(4, {"data": 1, "fsdp": 2, "expert": 2}, 3)
+  assert "restored step 2 equal on mesh {'data': 1, 'fsdp': 2, 'expert': 2, 'tensor': 1}" in out
+  assert ("Resharding the checkpoint of step 2, written on mesh data=1 fsdp=4 expert=2 tensor=1 (8 devices in 1 "
+          "process), onto mesh data=1 fsdp=2 expert=2 tensor=1 (4 devices in 1 process)") in out
+  out = run(1, {"data": 1, "fsdp": 1, "expert": 1}, 4)
+  assert "restored step 3 equal on mesh {'data': 1, 'fsdp': 1, 'expert': 1, 'tensor': 1}" in out
+  assert "written on mesh data=1 fsdp=2 expert=2 tensor=1 (4 devices in 1 process), onto mesh data=1" in out
+  assert [s for s, _ in _losses(workdir)] == [1, 2, 3, 4]

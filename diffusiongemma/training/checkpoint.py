@@ -1,8 +1,9 @@
 """Checkpoints with orbax: the train state, the data-iterator state and the config, per step.
 
 `workdir/checkpoints/<step>/` holds three items: `state` (params, optimizer state, step, rng; exact
-dtypes), `data` (the grain iterator state, JSON) and `meta` (the config that wrote it and the partial
-window of logged metrics, JSON). Saves are asynchronous and atomic (orbax writes a temporary directory
+dtypes), `data` (the grain iterator state, JSON) and `meta` (the config that wrote it, the partial
+window of logged metrics, the training time, and the mesh, device and process counts it was written on,
+JSON). `state` restores onto any mesh: each array is read into the shardings it is asked for. Saves are asynchronous and atomic (orbax writes a temporary directory
 and renames it), so a process killed at any moment leaves the previous checkpoints intact.
 
 A checkpoint is only resumed by a config that agrees with the one that wrote it on everything that

@@ -175,6 +175,32 @@ def workdir_path(workdir):
   return path
 
 
+def _topology(mesh: jax.sharding.Mesh) -> dict:
+  """Where a checkpoint was written (its `meta` item records it): the mesh's axis sizes, devices, processes."""
+  return {"mesh": {axis: int(size) for axis, size in mesh.shape.items()}, "num_devices": int(mesh.size),
+          "num_processes": jax.process_count()}
+
+
+def _check_topology(saved: dict | None, current: dict, step: int) -> None:
+  """Logs that the checkpoint of `step` is resharded onto another mesh or device count (the restore places
+  every array by this run's shardings, exactly), or refuses another process count by name: each process
+  reads its own slice of every batch, and the data iterator's position does not carry over to another
+  slicing. A checkpoint older than the record (`saved` None) is restored as it is."""
+  if saved is None or saved == current:
+    return
+  if saved["num_processes"] != current["num_processes"]:
+    raise ValueError(
+        f"The checkpoint at step {step} was written by {saved['num_processes']} processes; this run has "
+        f"{current['num_processes']}. Each process reads its own slice of every batch, so the data position "
+        f"would not carry over exactly: resume with {saved['num_processes']} processes, or start a new --workdir.")
+  plural = lambda n, word, suffix: f"{n} {word}{suffix if n > 1 else ''}"
+  describe = lambda t: (" ".join(f"{a}={n}" for a, n in t["mesh"].items()) +
+                        f" ({plural(t['num_devices'], 'device', 's')} in "
+                        f"{plural(t['num_processes'], 'process', 'es')})")
+  logging.info("Resharding the checkpoint of step %d, written on mesh %s, onto mesh %s.", step, describe(saved),
+               describe(current))
+
+
 def train(task: Task, workdir) -> TrainState:
   """Trains (or resumes training) for `task.loop.num_steps` steps; returns the final state.
 
@@ -204,7 +230,8 @@ def train(task: Task, workdir) -> TrainState:
       if main:
         metrics_lib.truncate_metrics(workdir, -1)
     else:
-      state, data_state, meta = setup.restore(checkpointer, start_step)
+      _check_topology(checkpointer.restore_meta(start_step).get("topology"), _topology(setup.mesh), start_step)
+      state, data_state, meta = setup.restore(checkpointer, start_step)  # resharded onto this run's mesh
       train_iter.set_state(data_state)
       accumulator = metrics_lib.MeanAccumulator(meta.get("metric_window"))
       elapsed.update(meta.get("elapsed", {}))
@@ -241,7 +268,8 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
   def save():
     with clock.excluded():
       writer.flush()
-      meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals()}
+      meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals(),
+              "topology": _topology(setup.mesh)}
       checkpointer.save(step, state, train_iter.get_state(), meta)
 
   try:
