@@ -75,8 +75,9 @@ def test_a_gs_workdir_trains_resumes_exports_and_samples_with_nothing_written_lo
   """scripts/train.py with --workdir=gs://...: stopped by SIGTERM after a checkpoint, resumed, it ends with the
   per-step metrics and parameters of an uninterrupted run on a local folder; scripts/convert.py exports that
   workdir as a transformers folder on gs:// (the same weights, read back by load_hf), scripts/sample.py
-  samples from it, and TensorBoard's events are in the bucket. Every command runs in an empty folder, which
-  stays empty: nothing of the workdir lands on the local disk."""
+  samples from it, a fine-tuning run starts from it (config.train.init_from=gs://...), and TensorBoard's events
+  are in the bucket. Every command runs in an empty folder, which stays empty: nothing of the workdirs lands on
+  the local disk."""
   n = 40
   config_file = tmp_path / "sft_config.py"  # the SFT task: its data are read from the JSONL file alone
   config_file.write_text(f"from diffusiongemma.build.config import load_config_file\n\n\ndef get_config():\n"
@@ -134,4 +135,9 @@ def test_a_gs_workdir_trains_resumes_exports_and_samples_with_nothing_written_lo
 
   out = finish(start("sample.py", *flags, f"--workdir={workdir}", "--prompt=def f(", "--max_new_tokens=8"))
   assert f"weights: {workdir}/checkpoints step {n}" in out
+
+  tuned = f"{gcs_bucket}/tuned"  # fine-tuning from the gs:// workdir's weights, into another gs:// workdir
+  finish(start("train.py", *flags, "--config.train.num_steps=1", f"--config.train.init_from={workdir}",
+               f"--workdir={tuned}"))
+  assert _losses(tuned)[0][1]["train/loss"] < _losses(local)[0][1]["train/loss"] - 1  # not a random start
   assert not list(cwd.iterdir())

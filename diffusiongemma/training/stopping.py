@@ -75,7 +75,8 @@ class StopRule:
   def reason(self, step: int, train_s: float) -> str | None:
     """Why the run stops after `step` (SIGTERM first), or None. `train_s`: the run's training seconds so
     far (earlier runs it resumes included), as this process measures them."""
-    if self._sigterm if not self.multiprocess else self._reached_preemption(step):
+    sigterm = self._reached_preemption(step) if self.multiprocess else self._sigterm
+    if sigterm:
       return SIGTERM
     if self.time_budget_s > 0 and self._budget_spent(step, train_s):
       return TIME_BUDGET
