@@ -23,6 +23,9 @@ from test_training import _free_port, _losses, _script_args, _script_flags, _ste
 
 SLOW_PROCESS_0 = ROOT / "tests" / "_train_slow_process0.py"
 NO_EVAL = "--config.train.eval_every=0"  # one program fewer to compile
+# Every process but 0 compiles at each start (on CPU its cache key differs from process 0's, which alone writes
+# the cache): compiling with fewer optimisations halves what that costs. Runs compared share the flag.
+FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 class _Processes:
@@ -31,7 +34,7 @@ class _Processes:
 
   def __init__(self, corpus, workdir, num_steps, *extra, count=2, script=None):
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}", JAX_PLATFORMS="cpu")
     args = _script_args(corpus, workdir, num_steps, NO_EVAL, *extra, f"--coordinator_address=localhost:{port}",
                         f"--num_processes={count}")
     if script is not None:
@@ -155,7 +158,7 @@ def test_a_checkpoint_of_8_devices_resumes_resharded_on_4_and_on_1(corpus, tmp_p
   def run(devices, mesh, num_steps, *command):
     overrides = {**flags, "train.num_steps": num_steps, **{f"mesh.{a}": n for a, n in mesh.items()}}
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
     if not command:
       command = (str(ROOT / "tests" / "_resume_on_mesh.py"), str(workdir), json.dumps(overrides))
     out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=600,
