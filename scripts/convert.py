@@ -35,10 +35,12 @@ from diffusiongemma.convert import orbax
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file whose config.model describes the "
                                           "weights of an orbax or workdir source (default: the saved one).")
 _FROM_HF = flags.DEFINE_string("from_hf", None, "A transformers folder: DiffusionGemma or a Gemma 4 causal LM.")
-_FROM_WORKDIR = flags.DEFINE_string("from_workdir", None, "A training workdir (workdir/checkpoints).")
+_FROM_WORKDIR = flags.DEFINE_string("from_workdir", None, "A training workdir (workdir/checkpoints); a folder or "
+                                    "gs://bucket/path.")
 _FROM_ORBAX = flags.DEFINE_string("from_orbax", None, "An orbax params checkpoint written by --to_orbax.")
-_TO_HF = flags.DEFINE_string("to_hf", None, "Write a transformers folder here.")
-_TO_ORBAX = flags.DEFINE_string("to_orbax", None, "Write an orbax params checkpoint here.")
+_TO_HF = flags.DEFINE_string("to_hf", None, "Write a transformers folder here (a folder or gs://bucket/path).")
+_TO_ORBAX = flags.DEFINE_string("to_orbax", None, "Write an orbax params checkpoint here (a folder or "
+                                "gs://bucket/path).")
 _STEP = flags.DEFINE_integer("step", None, "With --from_workdir: the checkpoint step (default: latest).")
 _DTYPE = flags.DEFINE_string("dtype", None, "Cast the weights (e.g. bfloat16); default: keep each one's.")
 _VISION_FROM = flags.DEFINE_string("vision_from", None, "With --to_hf: an original transformers folder "

@@ -45,7 +45,8 @@ from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import stats
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (checkpoints, tokenizer).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (checkpoints, tokenizer): a folder or "
+                               "gs://bucket/path.")
 _COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _RANDOM = flags.DEFINE_bool("random_init", False, "Use a randomly initialised model (and train the workdir's "

@@ -5,9 +5,11 @@ r"""Trains a DiffusionGemma model, resuming from the latest checkpoint in --work
 
 Several processes (hosts) train one model together when each runs the same command with
 --coordinator_address=host:port --num_processes=N --process_id=i (or JAX_COORDINATOR_ADDRESS,
-JAX_NUM_PROCESSES, JAX_PROCESS_ID in the environment); --workdir must be the same shared folder.
+JAX_NUM_PROCESSES, JAX_PROCESS_ID in the environment); --workdir must be the same shared folder or bucket
+(gs://bucket/run, with the `gcs` extra). docs/scale.md has the pod recipe.
 
-SIGTERM saves a checkpoint and exits with status 0; running the same command again resumes.
+SIGTERM saves a checkpoint and exits with status 0; with several processes, SIGTERM to any one of them stops
+every one after the same step, in one save. Running the same command again resumes.
 """
 
 from absl import app
@@ -20,7 +22,8 @@ from diffusiongemma import training
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics, tokenizer and caches go here.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics, tokenizer and caches go here: a folder "
+                              "or gs://bucket/path.")
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None,
                                    "host:port of process 0, for a multi-process run (jax.distributed).")

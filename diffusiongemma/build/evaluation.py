@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import functools
-import pathlib
 
 from diffusiongemma import _files
 from diffusiongemma import data as data_lib
@@ -33,10 +32,10 @@ def load_judge(name: str, workdir, model_config: ModelConfig | None = None) -> g
 
 def _workdir_tokenizer(workdir) -> bytes | None:
   """The serialized tokenizer a workdir trained with, when it can be found."""
-  path = pathlib.Path(workdir) / data_lib.TOKENIZER_FILENAME
+  path = _files.as_path(workdir, "workdir") / data_lib.TOKENIZER_FILENAME
   saved = weights_lib.workdir_config(workdir)
   if saved is not None:
-    path = pathlib.Path(saved.data.get("tokenizer_path") or path)
+    path = _files.as_path(saved.data.get("tokenizer_path") or path, "data.tokenizer_path")
   return data_lib.Tokenizer(path).serialized if _files.present(path) else None
 
 

@@ -17,8 +17,6 @@ without `model.init_from` is returned unchanged.
 
 from __future__ import annotations
 
-import pathlib
-
 import ml_collections
 
 from diffusiongemma import _files
@@ -41,7 +39,7 @@ def source(config) -> str:
   return str(value or "")
 
 
-def _saved_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+def _saved_config(workdir) -> ml_collections.ConfigDict:
   path = workdir / checkpoint.CONFIG_FILENAME
   if not _files.present(path):
     raise FileNotFoundError(f"config.model.init_from={str(workdir)!r} is a training workdir without its "
@@ -49,7 +47,7 @@ def _saved_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(_files.read_json(path))
 
 
-def model_config(path: pathlib.Path) -> ModelConfig:
+def model_config(path) -> ModelConfig:
   """The ModelConfig of the weights at `path`: a training workdir's (its saved `config.json`'s model section)
   or a transformers folder's (`convert.config_from_hf`: DiffusionGemma or Gemma 4)."""
   if checkpoint.latest_step(path) is not None:
@@ -67,13 +65,13 @@ def model_config(path: pathlib.Path) -> ModelConfig:
   return convert.config_from_hf(_files.read_json(config_file), source=config_file)
 
 
-def tokenizer_path(path: pathlib.Path) -> str:
+def tokenizer_path(path) -> str:
   """The tokenizer the weights at `path` were trained with ('' when it has none): a training workdir's
   (`data.tokenizer_path`, else its `tokenizer.model`), or a transformers folder's `tokenizer.json` (read as
   `data.hf_tokenizer.CheckpointTokenizer`), else its `tokenizer.model` (sentencepiece)."""
   if checkpoint.latest_step(path) is not None:
     saved = _saved_config(path).get("data", {}).get("tokenizer_path", "")
-    candidates = [pathlib.Path(saved)] if saved else [path / sp_tokenizer.TOKENIZER_FILENAME]
+    candidates = [_files.as_path(saved, "data.tokenizer_path")] if saved else [path / sp_tokenizer.TOKENIZER_FILENAME]
   else:
     candidates = [path / hf_tokenizer.TOKENIZER_JSON, path / hf_tokenizer.TOKENIZER_MODEL]
   return next((str(c) for c in candidates if _files.present(c)), "")
@@ -90,10 +88,10 @@ def resolve(config):
                        "DiffusionGemma or Gemma 4, or a training workdir), --config.model.init_from=FOLDER.")
     return config
   train_from = config.train.get(KEY, "") if "train" in config else ""
-  if train_from and pathlib.Path(train_from) != pathlib.Path(path):
+  if train_from and _files.as_path(train_from, "config.train.init_from") != _files.as_path(path, f"config.model.{KEY}"):
     raise ValueError(f"config.model.init_from={path!r} and config.train.init_from={train_from!r} name different "
                      "weights: set one (model.init_from also sets train.init_from).")
-  folder = pathlib.Path(path)
+  folder = _files.as_path(path, f"config.model.{KEY}")
   given = {k: v for k, v in config.model.to_dict().items() if k != KEY and v is not None}
   values = {k: v for k, v in model_config(folder).to_dict().items() if k not in _NOT_FROM_SOURCE}
   resolved = ml_collections.ConfigDict(config.to_dict())
@@ -104,14 +102,15 @@ def resolve(config):
   return resolved
 
 
-def copy_tokenizer(source, folder) -> pathlib.Path | None:
+def copy_tokenizer(source, folder):
   """Copies the tokenizer of `source` (a training workdir or a transformers folder, as `tokenizer_path` finds it;
   a `tokenizer.json` with its `tokenizer_config.json`) into the transformers folder `folder` written from it, so
-  that the folder can be adapted or served as it is. Returns the copy, or None when there is none to copy."""
-  found = tokenizer_path(pathlib.Path(source))
+  that the folder can be adapted or served as it is. Returns the copy (an `epath.Path`: either may be on gs://),
+  or None when there is none to copy."""
+  found = tokenizer_path(_files.as_path(source, "source"))
   if not found:
     return None
-  found, folder = pathlib.Path(found), pathlib.Path(folder)
+  found, folder = _files.as_path(found), _files.as_path(folder, "folder")
   is_json = found.name == hf_tokenizer.TOKENIZER_JSON
   copies = [(found, folder / (hf_tokenizer.TOKENIZER_JSON if is_json else hf_tokenizer.TOKENIZER_MODEL))]
   if is_json and _files.present(found.parent / hf_tokenizer.TOKENIZER_CONFIG):

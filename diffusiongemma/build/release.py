@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import shutil
 
 import jax
 import ml_collections
 import numpy as np
 import safetensors.numpy
 
+from diffusiongemma import _files
 from diffusiongemma.training import checkpoint
 
 STORAGE_DTYPES = ("float32", "bfloat16")
@@ -46,28 +46,28 @@ def _unflatten(flat) -> dict:
   return tree
 
 
-def save(workdir, folder, provenance: dict, *, storage_dtype: str = "float32") -> pathlib.Path:
-  """The latest checkpoint of `workdir` as the shipped folder `folder`, with its tokenizer (the workdir's,
-  else the file its config's `data.tokenizer_path` names, if either exists)."""
+def save(workdir, folder, provenance: dict, *, storage_dtype: str = "float32"):
+  """The latest checkpoint of `workdir` as the shipped folder `folder` (an `epath.Path`; either may be on gs://),
+  with its tokenizer (the workdir's, else the file its config's `data.tokenizer_path` names, if either exists)."""
   if storage_dtype not in STORAGE_DTYPES:
     raise ValueError(f"storage_dtype={storage_dtype!r} is invalid; expected one of {STORAGE_DTYPES}.")
   variables, step = checkpoint.load_params(workdir)
-  folder = pathlib.Path(folder)
+  folder = _files.as_path(folder, "folder")
   folder.mkdir(parents=True, exist_ok=True)
   flat = {k: v.astype(np.float32) for k, v in _flatten(jax.device_get(variables)).items()}
   if storage_dtype == "bfloat16":
     flat = {k: v.astype(jax.numpy.bfloat16) for k, v in flat.items()}
-  safetensors.numpy.save_file(flat, folder / "params.safetensors")
-  workdir = pathlib.Path(workdir)
-  config_text = (workdir / checkpoint.CONFIG_FILENAME).read_text()
-  (folder / "config.json").write_text(config_text)
+  _files.atomic_write(folder / "params.safetensors", safetensors.numpy.save(flat))
+  workdir = _files.as_path(workdir, "workdir")
+  config_text = _files.read_text(workdir / checkpoint.CONFIG_FILENAME)
+  _files.atomic_write(folder / "config.json", config_text)
   tokenizer = workdir / TOKENIZER  # the run's own, else the one its config names (e.g. a fine-tune's)
   if not tokenizer.is_file():
-    tokenizer = pathlib.Path(json.loads(config_text).get("data", {}).get("tokenizer_path") or workdir / TOKENIZER)
+    tokenizer = _files.as_path(json.loads(config_text).get("data", {}).get("tokenizer_path") or workdir / TOKENIZER)
   if tokenizer.is_file():
-    shutil.copyfile(tokenizer, folder / TOKENIZER)
+    _files.atomic_write(folder / TOKENIZER, _files.read_bytes(tokenizer, _files.TOKENIZER_MAX_BYTES))
   record = {"step": step, "storage_dtype": storage_dtype, **provenance}
-  (folder / "provenance.json").write_text(json.dumps(record, indent=2) + "\n")
+  _files.atomic_write(folder / "provenance.json", json.dumps(record, indent=2) + "\n")
   return folder
 
 

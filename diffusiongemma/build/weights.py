@@ -3,8 +3,6 @@ folder, or a random initialisation; and a chat session of a training workdir."""
 
 from __future__ import annotations
 
-import pathlib
-
 import jax
 import ml_collections
 
@@ -75,7 +73,7 @@ def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
 def workdir_config(workdir):
   """The config a training run saved in `workdir/config.json` (a ConfigDict), or None when there is none.
   It is only data: a task it names resolves as `tasks.task_kind` allows, nothing else is imported."""
-  path = pathlib.Path(workdir) / training.checkpoint.CONFIG_FILENAME
+  path = _files.as_path(workdir, "workdir") / training.checkpoint.CONFIG_FILENAME
   if not _files.present(path):
     return None
   return ml_collections.ConfigDict(_files.read_json(path))
@@ -91,7 +89,7 @@ def chat_sampler(workdir, config=None, *, tokenizer=None, preset: str = "default
   sentencepiece tokenizer has no Gemma 4 control tokens, and a model trained on its corpus has never seen a
   conversation. The sampler settings are `config.sampler`, then `preset`, then `sampler_overrides`.
   """
-  workdir = pathlib.Path(workdir)
+  workdir = _files.as_path(workdir, "workdir")
   config = config if config is not None else workdir_config(workdir)
   if config is None:
     raise FileNotFoundError(f"{workdir} has no saved config.json: pass the run's config.")

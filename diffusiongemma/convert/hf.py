@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from safetensors.numpy import save_file
 
 from diffusiongemma import _files
@@ -369,6 +370,9 @@ def load_hf(path: os.PathLike | str, *, dtype: str | None = None, shardings=None
   finite. Files are read as `_files` and `convert.shards` allow (regular files under a size cap, shards
   named by the index only inside the folder); every error names the file and the field or tensor.
   """
+  if not _files.is_local(path):
+    raise ValueError(f"load_hf({str(path)!r}): a transformers folder is read from the local disk (its shards are "
+                     "memory-mapped); copy it from object storage first.")
   path = pathlib.Path(path)
   config_file = path / "config.json"
   if not _files.present(config_file):
@@ -527,10 +531,12 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
   is ever held in host memory. `dtype` casts on the way (default: each parameter's own). A model with a
   vision encoder (`cfg.vision`) writes it from `params`; for a text-only one, `vision_from`, an original
   checkpoint folder, copies its vision tower and vision config (else transformers makes a placeholder).
+  `path` may be a gs:// URI (`_files.as_path`): each shard is then serialized in memory and uploaded whole.
   """
   params = nn.unbox(params)
   params = params.get("params", params) if set(params) == {"params"} else params
-  path = pathlib.Path(path)
+  path = _files.as_path(path, "save_hf path")
+  local = _files.is_local(path)
   hf_config = config_to_hf(cfg, architecture)
   kind = gemma4.ARCHITECTURES.get(architecture)
   entries = [(entry.keys[0] if kind is None else gemma4.rename(entry.keys[0], kind), entry)
@@ -560,7 +566,11 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
   shard_keys, shard, total_bytes = [], {}, 0  # keys of the shards written so far; the one being filled
 
   def flush():
-    save_file(shard, str(path / f".shard-{len(shard_keys)}.tmp"), metadata={"format": "pt"})
+    tmp = path / f".shard-{len(shard_keys)}.tmp"
+    if local:
+      save_file(shard, str(tmp), metadata={"format": "pt"})
+    else:
+      tmp.write_bytes(safetensors.numpy.save(shard, metadata={"format": "pt"}))
     shard_keys.append(list(shard))
     shard.clear()
 
@@ -573,12 +583,12 @@ def save_hf(cfg: ModelConfig, params, path: os.PathLike | str, *, dtype: str | N
   flush()
   names = [_shard_name(i, len(shard_keys)) for i in range(len(shard_keys))]
   for i, name in enumerate(names):
-    os.replace(path / f".shard-{i}.tmp", path / name)
+    (path / f".shard-{i}.tmp").replace(path / name)  # on gs:// a copy and a delete: the name appears whole
   if len(names) > 1:
     index = {"metadata": {"total_size": total_bytes},
              "weight_map": {k: name for keys, name in zip(shard_keys, names) for k in keys}}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-  (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    _files.atomic_write(path / "model.safetensors.index.json", json.dumps(index, indent=2))
+  _files.atomic_write(path / "config.json", json.dumps(hf_config, indent=2))
 
 
 def _shard_name(i: int, count: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 
 import jax
 import orbax.checkpoint as ocp
@@ -27,20 +26,20 @@ MODEL_CONFIG_FILENAME = "model_config.json"
 def hf_to_orbax(hf_dir: os.PathLike | str, out_dir: os.PathLike | str, *, dtype=None) -> ModelConfig:
   """A transformers folder as `out_dir/params` and `out_dir/model_config.json`; returns the model config."""
   cfg, params = hf.load_hf(hf_dir, dtype=dtype)
-  out_dir = pathlib.Path(out_dir).absolute()
+  out_dir = _files.as_path(out_dir, "--to_orbax", absolute=True)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(out_dir / PARAMS_DIRNAME, {"params": params})
   checkpointer.wait_until_finished()
   # The MoE implementation is the running machine's choice, not the weights': "auto" resolves where it loads.
   values = {**cfg.to_dict(), "moe_impl": MOE_AUTO}
-  (out_dir / MODEL_CONFIG_FILENAME).write_text(json.dumps(values, indent=2), encoding="utf-8")
+  _files.atomic_write(out_dir / MODEL_CONFIG_FILENAME, json.dumps(values, indent=2))
   return cfg
 
 
 def load_orbax(orbax_dir: os.PathLike | str, cfg: ModelConfig | None = None) -> tuple[ModelConfig, dict]:
   """(model config, variables) of an orbax params checkpoint, on the first local device; `cfg`
   overrides the saved model config."""
-  orbax_dir = pathlib.Path(orbax_dir).absolute()
+  orbax_dir = _files.as_path(orbax_dir, "--from_orbax", absolute=True)
   if not (orbax_dir / PARAMS_DIRNAME).is_dir():
     raise FileNotFoundError(f"{str(orbax_dir)!r} is not an orbax params checkpoint: no {PARAMS_DIRNAME}/ "
                             "(write one with scripts/convert.py --to_orbax).")

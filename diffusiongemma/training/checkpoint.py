@@ -1,8 +1,9 @@
 """Checkpoints with orbax: the train state, the data-iterator state and the config, per step.
 
 `workdir/checkpoints/<step>/` holds three items: `state` (params, optimizer state, step, rng; exact
-dtypes), `data` (the grain iterator state, JSON) and `meta` (the config that wrote it and the partial
-window of logged metrics, JSON). Saves are asynchronous and atomic (orbax writes a temporary directory
+dtypes), `data` (the grain iterator state, JSON) and `meta` (the config that wrote it, the partial
+window of logged metrics, the training time, and the mesh, device and process counts it was written on,
+JSON). `state` restores onto any mesh: each array is read into the shardings it is asked for. Saves are asynchronous and atomic (orbax writes a temporary directory
 and renames it), so a process killed at any moment leaves the previous checkpoints intact.
 
 A checkpoint is only resumed by a config that agrees with the one that wrote it on everything that
@@ -14,7 +15,6 @@ save) may change between runs.
 from __future__ import annotations
 
 import os
-import pathlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,7 +61,7 @@ class Checkpointer:
   """An orbax `CheckpointManager` over `workdir/checkpoints` with the three items above."""
 
   def __init__(self, workdir: os.PathLike | str, *, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+    self.directory = _files.as_path(workdir, "workdir", absolute=True) / CHECKPOINT_DIRNAME
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                            enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True)
@@ -73,6 +73,11 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
+
+  def reached_preemption(self, step: int) -> bool:
+    """Whether every process stops after `step` on a SIGTERM one of them got (jax's preemption sync point,
+    through orbax); a collective check of a multi-process run, see `training.stopping`."""
+    return self.manager.reached_preemption(step)
 
   def save(self, step: int, state, data_state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
     """Starts an asynchronous save of `step` (forced: the caller decides when to save)."""
@@ -121,7 +126,7 @@ class Checkpointer:
 
 def saved_steps(workdir: os.PathLike | str) -> list[int]:
   """The steps of the checkpoints in `workdir/checkpoints`, ascending (empty when there are none)."""
-  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+  directory = _files.as_path(workdir, "workdir", absolute=True) / CHECKPOINT_DIRNAME
   return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) if directory.is_dir() else []
 
 
@@ -140,7 +145,7 @@ def load_params(workdir: os.PathLike | str, *, step: int | None = None, sharding
   variables or their `'params'` subtree (e.g. `parallel.param_shardings`); default: the first local
   device. Dtypes are those saved (float32 master weights unless the config says otherwise).
   """
-  directory = pathlib.Path(workdir).absolute() / CHECKPOINT_DIRNAME
+  directory = _files.as_path(workdir, "workdir", absolute=True) / CHECKPOINT_DIRNAME
   steps = saved_steps(workdir)
   if not steps:
     raise FileNotFoundError(f"No checkpoints in {str(directory)!r}: train first (scripts/train.py).")
@@ -171,7 +176,7 @@ _DAMAGED = ("It is damaged or incomplete (a copy cut short, a file missing): use
             "checkpoint again.")
 
 
-def _saved_params(directory: pathlib.Path, step: int):
+def _saved_params(directory, step: int):
   """The params' tree of shapes and dtypes in the checkpoint at `step`, from its metadata alone."""
   with _files.reading(f"Checkpoint step {step} of {str(directory)!r}, item 'state' (its metadata),", _DAMAGED):
     metadata = ocp.PyTreeCheckpointer().metadata(directory / str(step) / "state").item_metadata
@@ -188,13 +193,16 @@ def load_weights(source: os.PathLike | str, *, shardings=None, expected=None) ->
   training workdir, or a transformers checkpoint folder (`convert.load_hf`). `shardings`: a tree of
   shardings like the variables; `expected`: their abstract shapes (e.g. of the configured model), checked
   before anything is read, so that a checkpoint of another model fails with the first differing parameter
-  named."""
-  path = pathlib.Path(source)
+  named. A workdir may be on object storage (gs://); a transformers folder is read from the local disk."""
+  path = _files.as_path(source, "config.train.init_from")
   if latest_step(path) is not None:
-    saved = _saved_params(path.absolute() / CHECKPOINT_DIRNAME, latest_step(path))
+    saved = _saved_params(_files.as_path(path, absolute=True) / CHECKPOINT_DIRNAME, latest_step(path))
     _check_fits(saved, expected, source)
     return load_params(path, shardings=shardings)[0]
   if _files.present(path / "config.json") and any(path.glob("*.safetensors")):
+    if not _files.is_local(path):
+      raise ValueError(f"config.train.init_from={str(source)!r} is a transformers folder on object storage: "
+                       "copy it to a local folder (only training workdirs are read from gs://).")
     cfg = convert.config_from_hf(_files.read_json(path / "config.json"), source=path / "config.json")
     _check_fits({"params": transformer.abstract_params(cfg)}, expected, source)
     # In the dtype of the parameters they start (e.g. float32 master weights from a bfloat16 checkpoint).

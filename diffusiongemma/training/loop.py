@@ -6,7 +6,8 @@ description against the config that wrote it), restoring the parameters, optimiz
 iterator's position and the partial window of logged metrics, and dropping metric records of steps
 after that checkpoint. The randomness of step s is `fold_in(rng, s)` and the data of step s is the
 s-th batch of the seeded pipeline, so an interrupted run ends bit-identical to an uninterrupted one.
-SIGTERM (preemption) saves a checkpoint after the current step and returns cleanly.
+SIGTERM (preemption) saves a checkpoint after the current step and returns cleanly; with several processes,
+SIGTERM to any one of them, or the time budget, stops all of them after the same step (`stopping.StopRule`).
 
 Order of work per step: one batch, one jitted update, the NaN/Inf guard, then (at their intervals)
 the log line, evaluation and the checkpoint; metrics are flushed before a checkpoint is written.
@@ -22,10 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import pathlib
-import signal
-import threading
-
 from collections.abc import Callable
 
 from absl import logging
@@ -43,33 +40,13 @@ from diffusiongemma.training import metrics as metrics_lib
 from diffusiongemma.training import optim
 from diffusiongemma.training import state as state_lib
 from diffusiongemma.training import step as step_lib
+from diffusiongemma.training import stopping
 from diffusiongemma.training import validation
 from diffusiongemma.training.state import TrainState
 from diffusiongemma.training.task import Task
 
 
-class _Preemption:
-  """Turns SIGTERM into a flag the loop checks after each step (main thread only)."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
-
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
-def _write_config(workdir: pathlib.Path, config_json: dict) -> None:
+def _write_config(workdir, config_json: dict) -> None:
   if not parallel.is_main_process():
     return
   _files.atomic_write(workdir / ckpt_lib.CONFIG_FILENAME, json.dumps(config_json, indent=2, sort_keys=True))
@@ -192,11 +169,38 @@ def to_global(batch, sharding: jax.sharding.NamedSharding):
   return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}
 
 
-def workdir_path(workdir) -> pathlib.Path:
-  path = pathlib.Path(workdir)
+def workdir_path(workdir):
+  """`workdir` as an `etils.epath.Path` (a local folder or a gs:// URI, `_files.as_path`), checked."""
+  path = _files.as_path(workdir, "--workdir")
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir {str(path)!r} exists and is not a directory.")
   return path
+
+
+def _topology(mesh: jax.sharding.Mesh) -> dict:
+  """Where a checkpoint was written (its `meta` item records it): the mesh's axis sizes, devices, processes."""
+  return {"mesh": {axis: int(size) for axis, size in mesh.shape.items()}, "num_devices": int(mesh.size),
+          "num_processes": jax.process_count()}
+
+
+def _check_topology(saved: dict | None, current: dict, step: int) -> None:
+  """Logs that the checkpoint of `step` is resharded onto another mesh or device count (the restore places
+  every array by this run's shardings, exactly), or refuses another process count by name: each process
+  reads its own slice of every batch, and the data iterator's position does not carry over to another
+  slicing. A checkpoint older than the record (`saved` None) is restored as it is."""
+  if saved is None or saved == current:
+    return
+  if saved["num_processes"] != current["num_processes"]:
+    raise ValueError(
+        f"The checkpoint at step {step} was written by {saved['num_processes']} processes; this run has "
+        f"{current['num_processes']}. Each process reads its own slice of every batch, so the data position "
+        f"would not carry over exactly: resume with {saved['num_processes']} processes, or start a new --workdir.")
+  plural = lambda n, word, suffix: f"{n} {word}{suffix if n > 1 else ''}"
+  describe = lambda t: (" ".join(f"{a}={n}" for a, n in t["mesh"].items()) +
+                        f" ({plural(t['num_devices'], 'device', 's')} in "
+                        f"{plural(t['num_processes'], 'process', 'es')})")
+  logging.info("Resharding the checkpoint of step %d, written on mesh %s, onto mesh %s.", step, describe(saved),
+               describe(current))
 
 
 def train(task: Task, workdir) -> TrainState:
@@ -228,7 +232,8 @@ def train(task: Task, workdir) -> TrainState:
       if main:
         metrics_lib.truncate_metrics(workdir, -1)
     else:
-      state, data_state, meta = setup.restore(checkpointer, start_step)
+      _check_topology(checkpointer.restore_meta(start_step).get("topology"), _topology(setup.mesh), start_step)
+      state, data_state, meta = setup.restore(checkpointer, start_step)  # resharded onto this run's mesh
       train_iter.set_state(data_state)
       accumulator = metrics_lib.MeanAccumulator(meta.get("metric_window"))
       elapsed.update(meta.get("elapsed", {}))
@@ -265,19 +270,18 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
   def save():
     with clock.excluded():
       writer.flush()
-      meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals()}
+      meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals(),
+              "topology": _topology(setup.mesh)}
       checkpointer.save(step, state, train_iter.get_state(), meta)
 
-  def spent(train_s: float) -> bool:  # the budget counts the whole training, every resumed run included
-    return 0 < tc.time_budget_s <= train_s
-
   try:
-    with _Preemption() as preemption:
+    with stopping.StopRule(tc.time_budget_s, checkpointer.reached_preemption) as stop_rule:
       if fresh and tc.eval_every:
         run_eval()
       if step >= tc.num_steps and checkpointer.latest_step() != step:
         save()
-      already_spent = step < tc.num_steps and spent(elapsed["train_s"])  # by the runs this one resumes
+      # Spent by the runs this one resumes (the same saved number in every process).
+      already_spent = step < tc.num_steps and 0 < tc.time_budget_s <= elapsed["train_s"]
       if already_spent:
         logging.info("Time budget of %.0f s already spent (%.0f s of training up to step %d): no step to run.",
                      tc.time_budget_s, elapsed["train_s"], step)
@@ -305,13 +309,13 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
           logging.info("%s", progress.line(step, means))
         if tc.eval_every and (step % tc.eval_every == 0 or last):
           run_eval()
-        out_of_time = spent(clock.totals()["train_s"])
-        if step % tc.checkpoint_every == 0 or last or preemption.requested or out_of_time:
+        stop = None if last else stop_rule.reason(step, clock.totals()["train_s"])  # one answer in all processes
+        if step % tc.checkpoint_every == 0 or last or stop:
           save()
-        if preemption.requested:
+        if stop == stopping.SIGTERM:
           logging.warning("SIGTERM: saved the checkpoint of step %d; exiting.", step)
           break
-        if out_of_time:
+        if stop == stopping.TIME_BUDGET:
           logging.info("Time budget of %.0f s spent at step %d; saved and stopping.", tc.time_budget_s, step)
           break
   finally:
@@ -345,7 +349,7 @@ def evaluate(task: Task, workdir, *, step: int | None = None, num_batches: int |
   results = setup.evaluate(state.params, val_ds, task.loop.eval_batches if num_batches is None else num_batches)
   results = {"step": step, **results}
   if parallel.is_main_process():
-    (workdir / "eval.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    _files.atomic_write(workdir / "eval.json", json.dumps(results, indent=2))
     writer = metrics_lib.JsonlWriter(workdir / metrics_lib.METRICS_FILENAME)
     writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items() if k != "step"})
     writer.close()

@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -219,18 +218,19 @@ def make_train_step(model, optimizer: optax.GradientTransformation, loss_config:
 
 
 def save_adapters(path: os.PathLike | str, adapters, config: LoraConfig) -> None:
-  """Writes the adapters (orbax, exact dtypes) and `lora.json` (their LoraConfig) to folder `path`."""
-  path = pathlib.Path(path).absolute()
+  """Writes the adapters (orbax, exact dtypes) and `lora.json` (their LoraConfig) to folder `path` (local or
+  gs://)."""
+  path = _files.as_path(path, "path", absolute=True)
   path.mkdir(parents=True, exist_ok=True)
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(path / "adapters", adapters, force=True)
   checkpointer.wait_until_finished()
-  (path / LORA_CONFIG_FILENAME).write_text(json.dumps(config.to_dict(), indent=2), encoding="utf-8")
+  _files.atomic_write(path / LORA_CONFIG_FILENAME, json.dumps(config.to_dict(), indent=2))
 
 
 def load_adapters(path: os.PathLike | str) -> tuple[dict, LoraConfig]:
   """(adapters, LoraConfig) written by `save_adapters`."""
-  path = pathlib.Path(path).absolute()
+  path = _files.as_path(path, "path", absolute=True)
   config_file = path / LORA_CONFIG_FILENAME
   if not _files.present(config_file):
     raise FileNotFoundError(f"{str(path)!r} holds no LoRA adapters (no {LORA_CONFIG_FILENAME}).")

@@ -2,7 +2,10 @@
 
 The writers follow clu's `MetricWriter` interface (`write_scalars(step, scalars)`, `flush`, `close`)
 without importing clu, whose `metric_writers` package needs TensorFlow at import time. TensorBoard
-files are written with tensorboardX when it is installed (a warning otherwise).
+files are written with tensorboardX when it is installed (a warning otherwise). A workdir may be a
+`gs://` URI (`_files.as_path`): objects cannot be appended to, so there the JSONL file is rewritten whole
+at each flush (the loop flushes before every checkpoint), and tensorboardX writes its event file through
+google-cloud-storage the same way.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import contextlib
 import json
 import math
 import os
-import pathlib
 import time
 from collections.abc import Mapping, Sequence
 
@@ -23,24 +25,41 @@ METRICS_FILENAME = "metrics.jsonl"
 
 
 class JsonlWriter:
-  """Appends one JSON object per `write_scalars` call: {"step": s, **scalars}."""
+  """Appends one JSON object per `write_scalars` call: {"step": s, **scalars}. A local file is appended to
+  (and synced at each flush); an object (gs://) keeps the whole file in memory and is rewritten at each
+  flush that has new records."""
 
   def __init__(self, path: os.PathLike | str):
-    self.path = pathlib.Path(path)
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    self._file = open(self.path, "a", encoding="utf-8")
+    self.path = _files.as_path(path)
+    self._file = self._text = None
+    self._pending = []  # an object's records since the last flush
+    if _files.is_local(self.path):
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      self._file = open(self.path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+    else:
+      self._text = self.path.read_text() if self.path.exists() else ""
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     record = {"step": int(step), **{k: _jsonable(v) for k, v in scalars.items()}}
-    self._file.write(json.dumps(record) + "\n")
+    if self._file is None:
+      self._pending.append(json.dumps(record) + "\n")
+    else:
+      self._file.write(json.dumps(record) + "\n")
 
   def flush(self) -> None:
+    if self._file is None:
+      if self._pending:
+        self._text += "".join(self._pending)
+        self._pending = []
+        self.path.write_text(self._text)
+      return
     self._file.flush()
     os.fsync(self._file.fileno())
 
   def close(self) -> None:
     self.flush()
-    self._file.close()
+    if self._file is not None:
+      self._file.close()
 
 
 class TensorBoardWriter:
@@ -86,29 +105,28 @@ def create_writer(workdir: os.PathLike | str, tensorboard: bool = True, enabled:
   (every process but the first of a multi-process run) a writer that writes nothing."""
   if not enabled:
     return MultiWriter([])
-  workdir = pathlib.Path(workdir)
+  workdir = _files.as_path(workdir, "workdir")
   writers = [JsonlWriter(workdir / METRICS_FILENAME)]
   if tensorboard:
     try:
       writers.append(TensorBoardWriter(workdir / "tensorboard"))
-    except ImportError:
-      logging.warning("tensorboardX is not installed: no TensorBoard event files are written "
-                      "(metrics still go to %s).", workdir / METRICS_FILENAME)
+    except ImportError as e:  # tensorboardX itself, or for gs:// its google-cloud-storage
+      logging.warning("No TensorBoard event files are written (%s); metrics still go to %s.", e,
+                      workdir / METRICS_FILENAME)
   return MultiWriter(writers)
 
 
 def read_metrics(workdir: os.PathLike | str) -> list[dict]:
   """Every record of `workdir/metrics.jsonl` (an empty list if there is none)."""
-  path = pathlib.Path(workdir) / METRICS_FILENAME
+  path = _files.as_path(workdir, "workdir") / METRICS_FILENAME
   if not path.is_file():
     return []
-  with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def truncate_metrics(workdir: os.PathLike | str, step: int) -> None:
   """Drops the records after `step`: on resume, steps that ran after the checkpoint are redone."""
-  path = pathlib.Path(workdir) / METRICS_FILENAME
+  path = _files.as_path(workdir, "workdir") / METRICS_FILENAME
   if not path.is_file():
     return
   records = read_metrics(workdir)
