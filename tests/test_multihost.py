@@ -134,8 +134,9 @@ def test_sigterm_to_one_process_or_process_0s_budget_stops_all_at_one_step(corpu
 
 
 def test_a_checkpoint_records_its_topology_and_another_process_count_is_refused(caplog):
-  """The `meta` record of where a checkpoint was written: another mesh or device count is logged as a reshard,
-  another process count refused naming both counts (each process's slice of the data would change)."""
+  """The `meta` record of where a checkpoint was written: another mesh or device count is logged as a reshard;
+  another process count too when the data position is global batches (`data.batching`), and refused naming
+  both counts when it is a per-process position (each process's slice of the data would change)."""
   saved = {"mesh": {"data": 1, "fsdp": 4, "expert": 2, "tensor": 1}, "num_devices": 8, "num_processes": 1}
   current = {"mesh": {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1}, "num_devices": 1, "num_processes": 1}
   with caplog.at_level(logging.INFO):
@@ -145,6 +146,9 @@ def test_a_checkpoint_records_its_topology_and_another_process_count_is_refused(
   with pytest.raises(ValueError, match="step 5 was written by 2 processes; this run has 1"):
     loop._check_topology({**saved, "num_processes": 2}, current, 5)  # pylint: disable=protected-access
   loop._check_topology(None, current, 5)  # pylint: disable=protected-access  (written before the record)
+  with caplog.at_level(logging.INFO):
+    loop._check_topology({**saved, "num_processes": 2}, current, 5, {"global_batch": 5})  # pylint: disable=protected-access
+  assert "(8 devices in 2 processes)" in caplog.text
 
 
 @pytest.mark.slow

@@ -21,12 +21,14 @@ import dataclasses
 import importlib
 import importlib.util
 import math
+import os
 import pathlib
 import sys
 from typing import Any
 
 import jax
 
+from diffusiongemma import _files
 from diffusiongemma import data as data_lib
 from diffusiongemma import parallel
 from diffusiongemma import training
@@ -65,7 +67,7 @@ def _main_process_first(name: str, make) -> None:
     raise error
 
 
-def prepared_corpus(data: dict, tokenizer, cache_dir, *, kind: str = "text") -> pathlib.Path:
+def prepared_corpus(data: dict, tokenizer, cache_dir, *, kind: str = "text"):
   """The prepared folder of `data.corpus`: the corpus itself when it is one (checked against `tokenizer`),
   else `cache_dir/prepared`, which process 0 prepares (once; a later run finds it done) while the others
   wait."""
@@ -74,8 +76,8 @@ def prepared_corpus(data: dict, tokenizer, cache_dir, *, kind: str = "text") -> 
     if manifest["kind"] != kind:
       raise ValueError(f"config.data.corpus={data['corpus']!r} holds prepared {manifest['kind']} data; this task "
                        f"(config.data.task={data.get('task', 'lm')!r}) reads {kind} data.")
-    return pathlib.Path(data["corpus"])
-  output = pathlib.Path(cache_dir) / "prepared"
+    return _files.as_path(data["corpus"], "config.data.corpus")
+  output = _files.as_path(cache_dir) / "prepared"
   _main_process_first("prepared_corpus", lambda: prepared.prepare(
       data["corpus"], output, tokenizer, kind=kind, validation_fraction=data["validation_fraction"],
       text_field=data["text_field"], threads=-1))
@@ -221,7 +223,7 @@ def _prepared_tokenizer(folder) -> str:
   if "file" not in manifest["tokenizer"]:
     raise ValueError(f"The prepared corpus {folder!r} was made with a checkpoint's tokenizer (sha256 "
                      f"{manifest['tokenizer']['sha256']}): name it, --config.data.tokenizer_path=FILE.")
-  return str(pathlib.Path(folder) / manifest["tokenizer"]["file"])
+  return os.fspath(_files.as_path(folder, "config.data.corpus") / manifest["tokenizer"]["file"])
 
 
 def dataset(config, workdir, split: str, *, shard_index: int | None = None, shard_count: int | None = None,
@@ -237,7 +239,7 @@ def dataset(config, workdir, split: str, *, shard_index: int | None = None, shar
                       canvas_length=models.model_config(config).canvas_length,
                       batch_size=config.train.batch_size // shard_count, seed=config.train.seed,
                       shard_index=shard_index, shard_count=shard_count,
-                      cache_dir=pathlib.Path(workdir) / CACHE_DIRNAME)
+                      cache_dir=_files.as_path(workdir, "--workdir") / CACHE_DIRNAME)
 
 
 def lora_config(config) -> lora_lib.LoraConfig | None:

@@ -16,6 +16,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from diffusiongemma import _files
 from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.data import pipeline
 from diffusiongemma.data import prepared
@@ -32,16 +33,16 @@ _OUTPUT = flags.DEFINE_string("output", None, "Write the JSON here (default: pri
 flags.mark_flags_as_required(["config"])
 
 
-def _folder(data, workdir) -> pathlib.Path:
+def _folder(data, workdir):
   if prepared.is_prepared(data.corpus):
-    return pathlib.Path(data.corpus)
-  if workdir and prepared.is_prepared(pathlib.Path(workdir) / "data_cache" / "prepared"):
-    return pathlib.Path(workdir) / "data_cache" / "prepared"
+    return _files.as_path(data.corpus, "config.data.corpus")
+  if workdir and prepared.is_prepared(_files.as_path(workdir, "--workdir") / "data_cache" / "prepared"):
+    return _files.as_path(workdir, "--workdir") / "data_cache" / "prepared"
   raise ValueError(f"config.data.corpus={data.corpus!r} is not a prepared folder and no --workdir holds its "
                    "preparation: run scripts/prepare_data.py, or train once in --workdir.")
 
 
-def _tokenizer(data, folder: pathlib.Path, manifest: dict):
+def _tokenizer(data, folder, manifest: dict):
   if data.tokenizer_path:
     path = pathlib.Path(data.tokenizer_path)
     if path.name == hf_tokenizer.TOKENIZER_JSON:

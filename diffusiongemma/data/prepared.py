@@ -24,7 +24,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import pathlib
 import time
 from collections.abc import Sequence
 
@@ -53,8 +52,13 @@ def tokenizer_hash(tok) -> str:
 
 
 def is_prepared(path) -> bool:
-  """Whether `path` is a prepared folder (it holds a manifest)."""
-  return str(path) != "stdlib" and (pathlib.Path(path) / MANIFEST).is_file()
+  """Whether `path` (a local folder or a gs:// URI) is a prepared folder (it holds a manifest)."""
+  return str(path) != "stdlib" and (_path(path) / MANIFEST).is_file()
+
+
+def _path(value):
+  """A local path or a gs:// URI as an `epath.Path` (`_files.as_path`)."""
+  return _files.as_path(value, "a prepared corpus")
 
 
 # ----------------------------------------------------------------------------------------------- writing
@@ -96,7 +100,7 @@ def prepare(source: str | sources_lib.Source, output, tokenizer, *, kind: str = 
   if not isinstance(source, sources_lib.Source):
     source = sources_lib.open_source(source, text_field=text_field, token_field=token_field,
                                      pairs=tuple(pair_fields) if kind == "pairs" else None)
-  output = pathlib.Path(output)
+  output = _path(output)
   dtype = "uint16" if tokenizer.vocab_size <= 2**16 else "int32"
   settings = {"kind": kind, "dtype": dtype, "validation_fraction": validation_fraction, "seed": seed,
               "tokenizer": tokenizer_hash(tokenizer), "source": source.fingerprint(), "fields": source.fields}
@@ -148,7 +152,7 @@ def prepare(source: str | sources_lib.Source, output, tokenizer, *, kind: str = 
   return manifest
 
 
-def _markers(output: pathlib.Path, count: int, key: str) -> list[dict | None]:
+def _markers(output, count: int, key: str) -> list[dict | None]:
   """The marker of each piece done before with the same key whose shards are all there."""
   out = []
   for i in range(count):
@@ -159,7 +163,7 @@ def _markers(output: pathlib.Path, count: int, key: str) -> list[dict | None]:
       out.append(None)
       continue
     ok = marker.get("key") == key and all(
-        (output / f).is_file() and (output / f).stat().st_size == size
+        (output / f).is_file() and (output / f).stat().length == size
         for s in _SPLITS for f, size in marker["splits"][s].get("files", {}).items())
     out.append(marker if ok else None)
   return out
@@ -209,7 +213,7 @@ def _run_piece(job: _Job, index: int, piece: dict, force_validation: int | None 
       lowest = (score, position)
     validation = score < job.validation_fraction or position == force_validation
     texts["validation" if validation else "train"].append(value)
-  output = pathlib.Path(job.output)
+  output = _path(job.output)
   marker = {"key": job.key, "piece": piece, "skipped": skipped, "lowest": lowest, "splits": {}}
   for split in _SPLITS:
     docs = texts[split]
@@ -256,7 +260,7 @@ def _manifest(job: _Job, source: sources_lib.Source, markers: Sequence[dict], to
   tokenizer = {"sha256": tokenizer_hash(tok), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
                "eos_id": tok.eos_id, "pad_id": tok.pad_id}
   if isinstance(tok, sp_tokenizer.Tokenizer):
-    _files.atomic_write(pathlib.Path(job.output) / sp_tokenizer.TOKENIZER_FILENAME, tok.serialized)
+    _files.atomic_write(_path(job.output) / sp_tokenizer.TOKENIZER_FILENAME, tok.serialized)
     tokenizer["file"] = sp_tokenizer.TOKENIZER_FILENAME
   manifest = {"format": FORMAT, "version": VERSION, "kind": job.kind, "dtype": job.dtype, "key": job.key,
               "tokenizer": tokenizer, "source": {"name": source.name, "kind": source.kind,
@@ -278,7 +282,7 @@ def _digest(manifest: dict) -> str:
 def read_manifest(folder, tokenizer=None) -> dict:
   """The manifest of the prepared `folder`, after checking it and every shard it lists (present, of the
   size it says) and, given `tokenizer`, that the data was made with it. Errors name the file."""
-  folder = pathlib.Path(folder)
+  folder = _path(folder)
   path = folder / MANIFEST
   if not _files.present(path):
     raise PreparedDataError(f"{path} does not exist: {str(folder)!r} is not a prepared corpus (or its "
@@ -297,7 +301,7 @@ def read_manifest(folder, tokenizer=None) -> dict:
   return manifest
 
 
-def _check(folder: pathlib.Path, manifest: dict, tokenizer) -> None:
+def _check(folder, manifest: dict, tokenizer) -> None:
   if tokenizer is not None and manifest["tokenizer"]["sha256"] != tokenizer_hash(tokenizer):
     raise PreparedDataError(
         f"{folder / MANIFEST} was made with another tokenizer (sha256 {manifest['tokenizer']['sha256']}, "
@@ -315,15 +319,16 @@ def _check(folder: pathlib.Path, manifest: dict, tokenizer) -> None:
         if not path.is_file():
           raise PreparedDataError(f"{path} is missing: the prepared corpus {str(folder)!r} is incomplete "
                                   "(prepare it again).")
-        if path.stat().st_size != size:
-          raise PreparedDataError(f"{path} is {path.stat().st_size:,} bytes, not the {size:,} that {MANIFEST} "
+        if path.stat().length != size:
+          raise PreparedDataError(f"{path} is {path.stat().length:,} bytes, not the {size:,} that {MANIFEST} "
                                   "records: it is truncated or damaged (prepare the corpus again).")
 
 
 class _Shards:
-  """Random access to the concatenation of a split's shards (memory-mapped, opened when first read)."""
+  """Random access to the concatenation of a split's shards (local ones memory-mapped when first read, others
+  read by range)."""
 
-  def __init__(self, folder: pathlib.Path, shards: Sequence[dict], dtype: str):
+  def __init__(self, folder, shards: Sequence[dict], dtype: str):
     self.paths = [folder / s["file"] for s in shards]
     self.dtype = np.dtype(dtype).newbyteorder("<")
     self.starts = np.concatenate([[0], np.cumsum([s["tokens"] for s in shards], dtype=np.int64)])
@@ -334,10 +339,15 @@ class _Shards:
   def num_tokens(self) -> int:
     return int(self.starts[-1])
 
-  def _map(self, i: int) -> np.ndarray:
+  def _tokens(self, i: int, start: int, stop: int) -> np.ndarray:
+    """Tokens [start, stop) of shard i."""
+    if not _files.is_local(self.paths[i]):
+      with self.paths[i].open("rb") as f:
+        f.seek(start * self.dtype.itemsize)
+        return np.frombuffer(f.read((stop - start) * self.dtype.itemsize), self.dtype)
     if i not in self._maps:
-      self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r")
-    return self._maps[i]
+      self._maps[i] = np.memmap(os.fspath(self.paths[i]), dtype=self.dtype, mode="r")
+    return self._maps[i][start:stop]
 
   def read(self, start: int, stop: int) -> np.ndarray:
     """Tokens [start, stop) of the split as int32."""
@@ -348,7 +358,7 @@ class _Shards:
     while position < stop:
       base = int(self.starts[shard])
       end = min(stop, int(self.starts[shard + 1]))
-      out.append(np.asarray(self._map(shard)[position - base:end - base], np.int32))
+      out.append(np.asarray(self._tokens(shard, position - base, end - base), np.int32))
       position, shard = end, shard + 1
     return np.concatenate(out) if len(out) != 1 else out[0]
 
@@ -363,9 +373,9 @@ class TokenStream(_Shards):
 class Pairs(_Shards):
   """The (prompt, response) id pairs of a `kind='pairs'` split."""
 
-  def __init__(self, folder: pathlib.Path, shards: Sequence[dict], dtype: str):
+  def __init__(self, folder, shards: Sequence[dict], dtype: str):
     super().__init__(folder, shards, dtype)
-    lengths = [np.fromfile(folder / s["file"].replace(".tokens", ".lengths"), "<i4").reshape(-1, 2)
+    lengths = [np.frombuffer((folder / s["file"].replace(".tokens", ".lengths")).read_bytes(), "<i4").reshape(-1, 2)
                for s in shards]
     self.lengths = np.concatenate(lengths) if lengths else np.zeros((0, 2), np.int32)
     self.offsets = np.concatenate([[0], np.cumsum(self.lengths.sum(1), dtype=np.int64)])
@@ -382,7 +392,7 @@ def open_split(folder, split: str, tokenizer=None, *, manifest: dict | None = No
   """The reader of `split` of a prepared folder (checked first, see `read_manifest`)."""
   if split not in _SPLITS:
     raise ValueError(f"Unknown split {split!r}; expected one of {_SPLITS}.")
-  folder = pathlib.Path(folder)
+  folder = _path(folder)
   manifest = manifest or read_manifest(folder, tokenizer)
   shards = manifest["splits"][split]["shards"]
   if not shards:

@@ -63,7 +63,7 @@ class Tokenizer:
     if isinstance(model, bytes):
       proto, self.path = model, None
     else:
-      self.path = pathlib.Path(model)
+      self.path = _files.as_path(model, "the tokenizer")
       if not _files.present(self.path):
         raise ValueError(f"Tokenizer model {str(self.path)!r} does not exist.")
       proto = _files.read_bytes(self.path, _files.TOKENIZER_MAX_BYTES)
@@ -178,8 +178,8 @@ def get_tokenizer(
   """
   if path is not None:
     return Tokenizer(path)
-  default_path = pathlib.Path(workdir) / TOKENIZER_FILENAME
-  if default_path.is_file():
+  default_path = _files.as_path(workdir, "--workdir") / TOKENIZER_FILENAME
+  if _files.present(default_path):
     tokenizer = Tokenizer(default_path)
     if tokenizer.vocab_size != vocab_size:
       logging.warning("%s has %d pieces, not the configured %d.", default_path,

@@ -183,14 +183,15 @@ def _topology(mesh: jax.sharding.Mesh) -> dict:
           "num_processes": jax.process_count()}
 
 
-def _check_topology(saved: dict | None, current: dict, step: int) -> None:
-  """Logs that the checkpoint of `step` is resharded onto another mesh or device count (the restore places
-  every array by this run's shardings, exactly), or refuses another process count by name: each process
-  reads its own slice of every batch, and the data iterator's position does not carry over to another
-  slicing. A checkpoint older than the record (`saved` None) is restored as it is."""
+def _check_topology(saved: dict | None, current: dict, step: int, data_state: dict | None = None) -> None:
+  """Logs that the checkpoint of `step` is resharded onto another mesh, device or process count (the restore
+  places every array by this run's shardings, exactly; a data position counted in global batches,
+  `data.batching`, is the same for any slicing of them), or refuses another process count by name when the
+  data position is a per-process one (a project's own pipeline). A checkpoint older than the record (`saved`
+  None) is restored as it is."""
   if saved is None or saved == current:
     return
-  if saved["num_processes"] != current["num_processes"]:
+  if saved["num_processes"] != current["num_processes"] and "global_batch" not in (data_state or {}):
     raise ValueError(
         f"The checkpoint at step {step} was written by {saved['num_processes']} processes; this run has "
         f"{current['num_processes']}. Each process reads its own slice of every batch, so the data position "
@@ -232,8 +233,8 @@ def train(task: Task, workdir) -> TrainState:
       if main:
         metrics_lib.truncate_metrics(workdir, -1)
     else:
-      _check_topology(checkpointer.restore_meta(start_step).get("topology"), _topology(setup.mesh), start_step)
       state, data_state, meta = setup.restore(checkpointer, start_step)  # resharded onto this run's mesh
+      _check_topology(meta.get("topology"), _topology(setup.mesh), start_step, data_state)
       train_iter.set_state(data_state)
       accumulator = metrics_lib.MeanAccumulator(meta.get("metric_window"))
       elapsed.update(meta.get("elapsed", {}))
