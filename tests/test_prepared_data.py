@@ -48,6 +48,7 @@ def test_every_source_kind_prepares_the_stream_that_reading_it_gives(tmp_path, f
   validation split holds the rest; a file that is not UTF-8 is skipped and counted."""
   monkeypatch.setattr(sources, "_MIN_PIECE_BYTES", 700)  # many small pieces: ranges, groups, workers' order
   monkeypatch.setattr(sources, "_MAX_PIECE_BYTES", 700)
+  monkeypatch.setattr(prepared, "_OPEN_FILES", 2)  # a reader across many shards closes the oldest
   texts = _documents()
   train_files = data.load_corpus(folder, "train", validation_fraction=0.2)
   manifest = prepared.prepare(folder, tmp_path / "folder", tok, validation_fraction=0.2)

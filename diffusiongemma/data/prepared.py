@@ -9,8 +9,8 @@
   DIR/{split}/NNNNN.lengths  int32 [examples, 2]: each pair's prompt (BOS included) and response lengths
   DIR/pieces/NNNNN.json      what one piece of the source produced: the marker that lets a re-run skip it
 
-Raw token files are read by range (memory-mapped locally, by seek and read elsewhere), so a window of a
-500 GB corpus costs its own bytes; a packed window cuts across documents, so records would only be overhead.
+Raw token files are read by range (`pread` locally, seek and read elsewhere), so a window of a 500 GB
+corpus costs its own bytes; a packed window cuts across documents, so records would only be overhead.
 Every file is written under a temporary name and renamed, the manifest last: a folder without a manifest
 is unfinished, and one whose shards disagree with it (missing, truncated, another tokenizer, an edited
 manifest) is refused naming the file. Workers are processes, one piece of the source at a time.
@@ -24,6 +24,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ from diffusiongemma.data import tokenizer as sp_tokenizer
 FORMAT, VERSION = "diffusiongemma.prepared", 1
 MANIFEST = "manifest.json"
 KINDS = ("text", "pairs")
+_OPEN_FILES = 64  # local shard files a reader keeps open
 _SPLITS = corpus.SPLITS
 
 
@@ -325,14 +327,15 @@ def _check(folder, manifest: dict, tokenizer) -> None:
 
 
 class _Shards:
-  """Random access to the concatenation of a split's shards (local ones memory-mapped when first read, others
-  read by range)."""
+  """Random access to the concatenation of a split's shards: each read fetches its own bytes (`pread` locally,
+  a ranged read elsewhere), so memory holds what was read, not the files."""
 
   def __init__(self, folder, shards: Sequence[dict], dtype: str):
     self.paths = [folder / s["file"] for s in shards]
     self.dtype = np.dtype(dtype).newbyteorder("<")
     self.starts = np.concatenate([[0], np.cumsum([s["tokens"] for s in shards], dtype=np.int64)])
-    self._maps: dict[int, np.ndarray] = {}
+    self._files: dict[int, int] = {}  # shard -> an open file descriptor (local shards), oldest first
+    self._lock = threading.Lock()
     self.reads: list[tuple[int, int]] | None = None  # set to a list to record every range read
 
   @property
@@ -345,9 +348,15 @@ class _Shards:
       with self.paths[i].open("rb") as f:
         f.seek(start * self.dtype.itemsize)
         return np.frombuffer(f.read((stop - start) * self.dtype.itemsize), self.dtype)
-    if i not in self._maps:
-      self._maps[i] = np.memmap(os.fspath(self.paths[i]), dtype=self.dtype, mode="r")
-    return self._maps[i][start:stop]
+    # pread, not a memory map: a map's pages count as this process's memory, and its faults map whole folios
+    # of a file in cache (a 20 MB shard resident for a few windows, measured). At most _OPEN_FILES stay open.
+    with self._lock:
+      if i not in self._files:
+        if len(self._files) >= _OPEN_FILES:
+          os.close(self._files.pop(next(iter(self._files))))
+        self._files[i] = os.open(os.fspath(self.paths[i]), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+      size = self.dtype.itemsize
+      return np.frombuffer(os.pread(self._files[i], (stop - start) * size, start * size), self.dtype)
 
   def read(self, start: int, stop: int) -> np.ndarray:
     """Tokens [start, stop) of the split as int32."""
@@ -362,8 +371,11 @@ class _Shards:
       position, shard = end, shard + 1
     return np.concatenate(out) if len(out) != 1 else out[0]
 
-  def __getstate__(self):  # grain may pickle the reader into its threads or processes: maps are reopened
-    return {**self.__dict__, "_maps": {}}
+  def __getstate__(self):  # grain may pickle the reader into its threads or processes: files are reopened
+    return {k: v for k, v in self.__dict__.items() if k not in ("_files", "_lock")}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state, _files={}, _lock=threading.Lock())
 
 
 class TokenStream(_Shards):
