@@ -40,11 +40,12 @@ def test_cache_goes_to_the_named_folder_else_the_variable_else_the_user_cache(tm
 
 def test_binaries_that_compile_enable_it_from_their_flag_never_their_workdir():
   """Every binary that compiles a model program turns the cache on, in the folder of its
-  --compilation_cache flag (convert.py and plan.py compile none; load_test.py is an HTTP client;
+  --compilation_cache flag (convert.py, plan.py and prepare_data.py compile none; load_test.py is an HTTP client;
   lm_eval_harness.py has lm-eval's command line, so the variable or the user cache)."""
   for script in sorted((ROOT / "scripts").glob("*.py")) + sorted((ROOT / "experiments").glob("*.py")):
     text = script.read_text()
-    if script.stem not in ("convert", "plan", "load_test", "lm_eval_harness") and script.parent.name == "scripts":
+    if (script.stem not in ("convert", "plan", "load_test", "lm_eval_harness", "prepare_data")
+        and script.parent.name == "scripts"):
       assert "enable_compilation_cache(_COMPILATION_CACHE.value)" in text, script.name
     if "enable_compilation_cache(" in text and script.stem != "lm_eval_harness":
       assert "enable_compilation_cache(_COMPILATION_CACHE.value)" in text, script.name
