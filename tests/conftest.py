@@ -14,6 +14,21 @@ import chat_fixtures
 from diffusiongemma.parallel import compilation_cache
 from hf_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
 
+# Under pytest-xdist (`.ci/run`: -n 2 --dist=loadgroup) each group runs whole on one worker, so a module's
+# fixtures are built once. A group is a module, except where modules share an expensive session fixture.
+_SHARED_SESSION_FIXTURE = {"test_serving.py": "server", "test_serving_page.py": "server"}
+# Modules of more than about a minute, slowest first: they start first, so that no worker is left alone with
+# one of them at the end of a run (the rest keep collection order).
+_SLOW_MODULES = ("test_training.py", "test_multihost.py", "test_benchmarks.py", "test_text.py", "test_sudoku.py",
+                 "test_parallel.py", "test_gcs_workdir.py", "test_quality.py", "test_adapt.py")
+
+
+def pytest_collection_modifyitems(items):
+  for item in items:
+    item.add_marker(pytest.mark.xdist_group(_SHARED_SESSION_FIXTURE.get(item.path.name, item.path.name)))
+  rank = {name: i for i, name in enumerate(_SLOW_MODULES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: test order within a module kept
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_compilation_cache(tmp_path_factory):
