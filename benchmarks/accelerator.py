@@ -72,9 +72,7 @@ _SECTION = flags.DEFINE_string("section", None, "Internal: run this one section 
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 
 # Dense bf16 TFLOP/s by device kind (datasheets; the first name contained in `device_kind` wins).
-PEAKS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
-         ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("TPU v6 lite", 918.0), ("TPU v5 lite", 197.0),
-         ("TPU v5", 459.0), ("TPU v4", 275.0))
+PEAKS = timing.PEAKS
 # Transformers config field -> ModelConfig field, for the random models `measure.SIZES` gives as the former.
 _HF_TO_OURS = dict(hidden_size="hidden_size", num_hidden_layers="num_layers", num_attention_heads="num_heads",
                    num_key_value_heads="num_kv_heads", head_dim="head_dim", global_head_dim="full_head_dim",
@@ -111,8 +109,7 @@ def settings(smoke: bool, layers: int) -> dict:
 
 def _peaks() -> dict:
   """The device kind's datasheet bf16 peak (None if unknown) and a bf16 matmul peak measured now."""
-  kind = jax.devices()[0].device_kind
-  table = next((tflops * 1e12 for name, tflops in PEAKS if name in kind), None)
+  table = timing.datasheet_peak_flops()
   size = 1024 if jax.default_backend() == "cpu" else 8192
   return {"datasheet_peak_flops": table, "matmul_peak_flops": timing.matmul_peak_flops(size, dtype="bfloat16")}
 

@@ -14,6 +14,7 @@ it and neither imports the other for it; `benchmarks.measure` adds the model-spe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 import platform
@@ -100,6 +101,28 @@ def loaded_machine(machine: dict[str, Any], max_load: float, allow: bool) -> lis
     raise SystemExit(f"Refusing to time. {message} Wait for a quiet machine, or pass --allow_load.")
   print(f"WARNING: {message}", flush=True)
   return [message]
+
+
+# Dense bf16 peak TFLOP/s by device kind (datasheets; the first name contained in `device_kind` wins).
+PEAKS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0), ("GH200", 989.0),
+         ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("TPU v6 lite", 918.0), ("TPU v5 lite", 197.0),
+         ("TPU v5", 459.0), ("TPU v4", 275.0))
+
+
+def datasheet_peak_flops(device=None) -> float | None:
+  """The dense bf16 FLOP/s of `device`'s kind (default: the first device) from `PEAKS`; None if not listed."""
+  kind = (device or jax.devices()[0]).device_kind
+  return next((tflops * 1e12 for name, tflops in PEAKS if name in kind), None)
+
+
+@functools.cache
+def peak_flops_per_device(dtype: str = "bfloat16") -> tuple[float, str]:
+  """(FLOP/s, 'datasheet' or 'measured'): the device kind's datasheet peak, else (a CPU, a kind not listed)
+  a `dtype` matmul's measured here (1024^3 on a CPU, a fraction of a second; once per process)."""
+  table = datasheet_peak_flops()
+  if table is not None:
+    return table, "datasheet"
+  return matmul_peak_flops(1024 if jax.default_backend() == "cpu" else 8192, dtype=dtype), "measured"
 
 
 def matmul_peak_flops(size: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:

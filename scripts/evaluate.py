@@ -1,6 +1,6 @@
 r"""Evaluates the latest (or --step) checkpoint in --workdir on the validation split.
 
-  python scripts/evaluate.py --config configs/tiny.py --workdir /tmp/dg_tiny
+  python scripts/evaluate.py --workdir /tmp/dg_tiny
   python scripts/evaluate.py --config configs/small.py --workdir workdir/small --generative \
       --baseline_workdir workdir/small_ar --num_samples 32
 
@@ -24,8 +24,9 @@ from diffusiongemma import build
 from diffusiongemma import parallel
 from diffusiongemma import training
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "The config file the model was trained with (default: the workdir's saved config.json; "
+    "one given must match it in what the weights depend on).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir.")
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")
@@ -37,7 +38,7 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Prompts per sampler call (-
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 0, "New tokens; 0: config.sampler.max_new_tokens.")
 _BASELINE = flags.DEFINE_string("baseline_workdir", None, "An AR baseline's workdir (configs/small_ar.py).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (--generative).")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
@@ -45,9 +46,10 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   training.quiet_orbax_logs()
-  results = build.evaluate(_CONFIG.value, _WORKDIR.value, step=_STEP.value, num_batches=_NUM_BATCHES.value)
+  config = build.run_config(_WORKDIR.value, _CONFIG.value)
+  results = build.evaluate(config, _WORKDIR.value, step=_STEP.value, num_batches=_NUM_BATCHES.value)
   if _GENERATIVE.value:
-    evaluation = build.generative_eval(_CONFIG.value, _WORKDIR.value, baseline_workdir=_BASELINE.value,
+    evaluation = build.generative_eval(config, _WORKDIR.value, baseline_workdir=_BASELINE.value,
                                        num_samples=_NUM_SAMPLES.value, batch_size=_BATCH_SIZE.value,
                                        seed=_SEED.value)
     results["generative"] = evaluation.run(_MAX_NEW.value or None)

@@ -1,7 +1,6 @@
 r"""Samples from a DiffusionGemma model and prints the text and the sampler's statistics.
 
-  python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --prompt "def main(" \
-      --show_steps
+  python scripts/sample.py --workdir /tmp/dg_tiny --prompt "def main(" --show_steps
   python scripts/sample.py --config configs/tiny.py --workdir /tmp/dg_tiny --random_init \
       --prompt_file prompts.txt --batch_size 4 --autoregressive
   python scripts/sample.py --hf_checkpoint /path/to/hf_folder --prompt "The capital of France is"
@@ -13,8 +12,9 @@ r"""Samples from a DiffusionGemma model and prints the text and the sampler's st
 A transformers checkpoint folder (--hf_checkpoint) alone is enough: its tokenizer, its generation defaults
 (generation_config.json) changed by --preset, and its weights cast to --dtype over every local device
 (`build.pretrained`); with --config too, config.sampler replaces the generation defaults. Otherwise
---config and --workdir: the latest checkpoint in --workdir/checkpoints, else (only with --random_init) a
-random initialisation; the tokenizer is config.data.tokenizer_path or --workdir/tokenizer.model (trained on
+--workdir: the latest checkpoint in --workdir/checkpoints, run with the config the run saved (config.json:
+LoRA adapters merged, init_from and canvas as trained); a --config given beside it is refused by field name
+where it differs in what the weights depend on. With --random_init and --config, a random initialisation; the tokenizer is config.data.tokenizer_path or --workdir/tokenizer.model (trained on
 the corpus if missing); the model, the noise (config.diffusion.noise: what the model was trained with) and
 the sampler settings (config.sampler, overridden as --config.sampler.max_denoising_steps=16) come from
 `build`, as in every binary. Prompts are plain text after bos (no chat format: scripts/chat.py has it);
@@ -95,8 +95,14 @@ def _load():
       return weights, loaded.tokenizer, sampler, ar_sampler, _MAX_NEW.value or loaded.max_new_tokens or 256
     sampler, ar_sampler = build.sampler(config, cfg), build.ar_sampler(config, cfg)
     return weights, loaded.tokenizer, sampler, ar_sampler, _MAX_NEW.value or build.max_new_tokens(config)
-  if config is None or not _WORKDIR.value:
-    raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --config and --workdir.")
+  if not _WORKDIR.value:
+    raise app.UsageError("Pass --hf_checkpoint=DIR (a transformers checkpoint folder), or --workdir (a training "
+                         "run: its saved config.json is the config), or --config and --workdir with --random_init.")
+  if _RANDOM.value:
+    if config is None:
+      raise app.UsageError("--random_init needs --config (the model to initialise).")
+  else:
+    config = build.run_config(_WORKDIR.value, config)  # the run as trained; a --config given must match it
   weights = build.load(config, workdir=_WORKDIR.value, random_init=_RANDOM.value, seed=_SEED.value)
   cfg = weights.model_config
   tokenizer = build.tokenizer(config, _WORKDIR.value, train_if_missing=_RANDOM.value)

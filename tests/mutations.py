@@ -169,6 +169,21 @@ MUTATIONS = (
              '  return model_cfg if config.train.get("lora_rank", 0) else model_cfg.replace(param_dtype=dtype)',
              "  return model_cfg",
              ("tests/test_train_step.py::test_every_config_trains_float32_master_weights_and_moments",)),
+    Mutation("a workdir loaded with a config that contradicts its saved one (LoRA rank not checked)",
+             "diffusiongemma/build/weights.py",
+             '  fields["train.lora_rank"] = rank',
+             "  pass",
+             ("tests/test_training.py::test_fine_tuning_from_a_workdir_full_and_lora",)),
+    Mutation("the wait for a batch counted as the step's compute",
+             "diffusiongemma/training/loop.py",
+             "          meter.add(computed - waited, time.perf_counter() - computed)",
+             "          meter.add(0.0, time.perf_counter() - waited)",
+             ("tests/test_training.py::test_step_accounting_splits_the_wall_time_and_a_profile_covers_its_steps",)),
+    Mutation("every canvas's denoiser pass counted once per step though only one is graded",
+             "diffusiongemma/model/flops.py",
+             "  share = 1.0 if all_canvases else 1.0 / num_canvases",
+             "  share = 1.0",
+             ("tests/test_train_step.py::test_the_analytic_flops_of_a_step_are_what_xla_counts",)),
 )
 
 

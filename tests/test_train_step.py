@@ -13,6 +13,7 @@ import diffusiongemma as dg
 from diffusiongemma.build import models
 from diffusiongemma.build import tasks
 from diffusiongemma.build.config import load_config_file
+from diffusiongemma.model import flops
 from diffusiongemma.training import optim
 from diffusiongemma.training import state as state_lib
 from diffusiongemma.training import step as step_lib
@@ -100,3 +101,28 @@ def test_gradient_accumulation_needs_a_fraction_of_the_memory(accumulated):
   """XLA's compiled temporary memory of the step at 4 micro-batches is at most 0.4x the whole batch's (the
   activations, dominated by [rows, positions, vocab] logits, of a quarter of the rows at a time): 0.27x."""
   assert accumulated[4][0] <= 0.4 * accumulated[1][0], (accumulated[4][0], accumulated[1][0])
+
+
+@pytest.mark.parametrize("self_conditioning,all_canvases", [(0.5, False), (0.0, True)])
+def test_the_analytic_flops_of_a_step_are_what_xla_counts(self_conditioning, all_canvases):
+  """`model.flops.train_step_flops` (the loop's perf/model_tflops_per_step and MFU) within 10% of XLA's cost
+  analysis of the compiled step (lowered from shapes alone; nothing runs), with and without the
+  self-conditioning pass, grading one canvas or all; top_k = num_experts, so the dense MoE computes only chosen
+  experts, and matmuls dominate (hidden 256)."""
+  cfg = dg.ModelConfig(vocab_size=2048, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                       num_full_kv_heads=1, full_head_dim=64, sliding_window=32, intermediate_size=512,
+                       num_experts=2, top_k=2, moe_intermediate_size=256, canvas_length=16, max_positions=128,
+                       moe_impl="dense")
+  model = dg.DiffusionGemma(cfg)
+  loss = dg.diffusion.loss.LossConfig(noise=dg.diffusion.UniformNoise(cfg.vocab_size),
+                                      self_conditioning_prob=self_conditioning, all_canvases=all_canvases)
+  optimizer = optim.make_optimizer(optim.OptimizerSettings(learning_rate=1e-2, warmup_steps=0, num_steps=10))
+  step = step_lib.make_train_step(model, optimizer, loss, num_canvases=2)
+  batch, prompt = 4, 32
+  shapes = {"tokens": jax.ShapeDtypeStruct((batch, prompt + 2 * cfg.canvas_length), jnp.int32),
+            "prompt_length": jax.ShapeDtypeStruct((batch,), jnp.int32)}
+  analysis = step.lower(state_lib.abstract_train_state(model, optimizer, seed=0), shapes).compile().cost_analysis()
+  xla = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+  ours = flops.train_step_flops(cfg, batch, prompt, 2, self_conditioning=self_conditioning > 0,
+                                all_canvases=all_canvases)
+  assert ours == pytest.approx(xla, rel=0.10)

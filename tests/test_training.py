@@ -1,5 +1,6 @@
 """Training: optimizer, NaN guard, checkpoints, exact resume, evaluation, bad inputs, learning."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -160,6 +161,69 @@ def test_in_process_resume_is_exact_and_logs_progress(corpus, tmp_path, caplog):
   longer = dg.build.train(_config(corpus, **{"train.num_steps": 7}), tmp_path / "a")
   assert int(longer.step) == 7
   assert any("num_steps is 7, the checkpoint's run had 6" in r.getMessage() for r in caplog.records)
+
+
+class _SlowIterator:
+  """A training iterator that waits `seconds` before every batch (a slow input pipeline)."""
+
+  def __init__(self, iterator, seconds):
+    self.iterator, self.seconds = iterator, seconds
+
+  def __next__(self):
+    time.sleep(self.seconds)
+    return next(self.iterator)
+
+  def get_state(self):
+    return self.iterator.get_state()
+
+  def set_state(self, state):
+    self.iterator.set_state(state)
+
+
+def test_step_accounting_splits_the_wall_time_and_a_profile_covers_its_steps(corpus, tmp_path):
+  """Per logging interval, perf/data_wait_s is the wait for the batch and perf/step_s the step: a 0.2 s sleep
+  in the data iterator shows in the first alone. The time/* spans of the last record add up to the run's wall
+  time; the FLOPs are the analytic count (its match with XLA: test_train_step.py); profile_steps writes a
+  trace."""
+  config = _config(corpus, **{"train.num_steps": 20, "train.log_every": 5, "train.eval_every": 20,
+                              "train.eval_batches": 1, "train.checkpoint_every": 10,
+                              "train.profile_steps": "3,4"})
+  task = dg.build.train_task(config, tmp_path)
+  datasets = task.datasets
+
+  class Slow:
+    def __init__(self, dataset):
+      self.dataset = dataset
+
+    def __iter__(self):
+      return _SlowIterator(iter(self.dataset), 0.2)
+
+  task = dataclasses.replace(task, datasets=lambda split: Slow(datasets(split)) if split == "train" else
+                             datasets(split))
+  start = time.perf_counter()
+  loop.train(task, tmp_path)
+  wall = time.perf_counter() - start
+  rows = training.read_metrics(tmp_path)
+  perf = [r for r in rows if "perf/step_s" in r]
+  assert [r["step"] for r in perf] == [5, 10, 15, 20]
+  for r in perf:
+    assert 0.19 <= r["perf/data_wait_s"] <= 0.25, r
+    assert r["perf/step_s"] < r["perf/data_wait_s"], r  # the sleep is not in the step
+    assert r["perf/model_tflops_per_step"] == pytest.approx(loop.step_flops(task) / 1e12)
+    seconds = r["perf/step_s"] + r["perf/data_wait_s"]
+    assert r["perf/tokens_per_s_per_device"] == pytest.approx(
+        4 * task.sequence_length / seconds / jax.device_count())
+    assert 0 < r["perf/mfu"] < 1
+  spans = rows[-1]
+  assert set(spans) == {"step", "time/train_s", "time/cpu_s", "time/startup_s", "time/compile_s", "time/eval_s",
+                        "time/checkpoint_s"}
+  assert min(spans[f"time/{k}_s"] for k in ("startup", "compile", "eval", "checkpoint")) > 0
+  total = sum(spans[f"time/{k}_s"] for k in ("train", "startup", "compile", "eval", "checkpoint"))
+  assert total == pytest.approx(wall, rel=0.05)
+  assert spans["time/train_s"] > 20 * 0.2  # the waits are training time
+  assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+  with pytest.raises(ValueError, match=r"profile_steps must be 'first,last'.*got '4,3'"):
+    dg.build.train_task(_config(corpus, **{"train.profile_steps": "4,3"}), tmp_path / "bad")
 
 
 def test_nan_guard_names_step_and_metric_or_skips(corpus, tmp_path):
@@ -457,6 +521,16 @@ def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
   _assert_same_params(jax.device_get(weights.variables), jax.device_get(merged))
   q = lambda v: np.asarray(v["params"]["layer_0"]["attn"]["q_einsum"])
   assert np.abs(q(weights.variables) - q(base)).max() > 0  # the adapters moved the weights
+  # The workdir alone is the run as trained (its config.json): adapters merged without restating lora_rank.
+  alone = dg.build.load(dg.build.run_config(tmp_path / "lora"), workdir=tmp_path / "lora")
+  _assert_same_params(jax.device_get(alone.variables), jax.device_get(merged))
+  # A config beside it that differs in what the weights depend on is refused by field name, not a deep error.
+  with pytest.raises(ValueError, match=r"train.lora_rank=0 \(trained with 2\)"):
+    dg.build.load(_config(corpus), workdir=tmp_path / "lora")
+  with pytest.raises(ValueError, match=r"model.num_layers=3 \(trained with 2\)"):
+    dg.build.run_config(tmp_path / "base", _config(corpus, **{"model.num_layers": 3}))
+  with pytest.raises(FileNotFoundError, match="no saved config.json"):
+    dg.build.run_config(tmp_path / "nowhere")
   with pytest.raises(ValueError, match="lora_rank=2 trains adapters on frozen weights"):
     dg.build.lora_config(_config(corpus, **{"train.lora_rank": 2}))
   with pytest.raises(FileNotFoundError, match="init_from='/nowhere' is neither"):

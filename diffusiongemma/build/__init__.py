@@ -37,10 +37,11 @@ from diffusiongemma.build.weights import load
 from diffusiongemma.build.weights import pretrained
 from diffusiongemma.build.weights import Pretrained
 from diffusiongemma.build.weights import Weights
+from diffusiongemma.build.weights import run_config
 from diffusiongemma.build.weights import workdir_config
 
 __all__ = [
     "Pretrained", "Weights", "ar_sampler", "chat_sampler", "config", "copy_tokenizer", "dataset", "evaluate", "generative_eval", "load",
     "lora_config", "loss", "max_new_tokens", "model", "model_config", "noise", "pretrained", "random_variables",
-    "registry", "sampler", "sampler_config", "tokenizer", "train", "train_task", "workdir_config",
+    "registry", "run_config", "sampler", "sampler_config", "tokenizer", "train", "train_task", "workdir_config",
 ]

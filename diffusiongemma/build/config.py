@@ -72,6 +72,7 @@ def base_config(**model) -> ml_collections.ConfigDict:
   config.train.async_checkpointing = True
   config.train.time_budget_s = 0.0  # stop (and save) once time/train_s, summed over resumes, reaches this; 0: none
   config.train.seed = 0
+  config.train.profile_steps = ""  # 'a,b': a jax.profiler trace of steps a..b into workdir/profile (TensorBoard)
   # Fine-tuning: start from these weights (a training workdir's latest checkpoint or a transformers
   # checkpoint folder; config.model must describe them) instead of a random initialisation.
   config.train.init_from = ""

@@ -3,6 +3,8 @@ folder, or a random initialisation; and a chat session of a training workdir."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import ml_collections
 
@@ -54,6 +56,7 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
 
 def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
   if workdir is not None and not random_init and checkpoint.latest_step(workdir) is not None:
+    check_against_saved(config, workdir)
     lora_cfg = tasks.lora_config(config)
     if lora_cfg is None:
       variables, step = checkpoint.load_params(workdir, shardings=shardings)
@@ -68,6 +71,51 @@ def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
     raise FileNotFoundError(f"No checkpoint in {workdir}/checkpoints: train first, or pass "
                             "--hf_checkpoint=<folder> or --random_init.")
   return Weights(cfg, models.random_variables(cfg, seed), f"random initialisation (seed {seed})")
+
+
+# ModelConfig fields that are choices of the run reading the weights, not of the weights.
+_RUNTIME_MODEL_FIELDS = frozenset({"dtype", "param_dtype", "moe_impl", "remat", "quantize", "max_positions",
+                                   "canvas_length"})
+
+
+def _weight_fields(config) -> dict:
+  """What a checkpoint's weights depend on, by config field name: the model (but its runtime choices), the
+  noise, and the LoRA adapters with the base they adapt."""
+  cfg = models.model_config(config)
+  fields = {f"model.{k}": v for k, v in cfg.to_dict().items() if k not in _RUNTIME_MODEL_FIELDS}
+  rank = config.train.get("lora_rank", 0) if "train" in config else 0
+  fields["train.lora_rank"] = rank
+  if rank:
+    fields["train.lora_alpha"] = config.train.get("lora_alpha", 16.0)
+    fields["train.init_from"] = str(config.train.get("init_from", ""))
+  return json.loads(json.dumps(fields))  # tuples and lists alike, as config.json holds them
+
+
+def check_against_saved(config, workdir) -> None:
+  """Refuses `config` by field name where it differs from the config `workdir`'s run saved in what the
+  weights depend on (`_weight_fields`). A workdir without a saved config is not checked."""
+  saved = workdir_config(workdir)
+  if saved is None or config is saved:
+    return
+  given, trained = _weight_fields(init_from.resolve(config)), _weight_fields(saved)
+  differ = [f"{k}={given.get(k)!r} (trained with {trained.get(k)!r})" for k in sorted(set(given) | set(trained))
+            if given.get(k) != trained.get(k)]
+  if differ:
+    raise ValueError(f"The config given does not match the run in {str(workdir)!r}: {'; '.join(differ)}. Pass "
+                     "--workdir alone to load the run as trained (its config.json), or a config that matches it.")
+
+
+def run_config(workdir, config=None):
+  """The config to run `workdir`'s checkpoints with: its saved `config.json` (the run as trained) when
+  `config` is None, else `config`, checked against the saved one (`check_against_saved`)."""
+  saved = workdir_config(workdir)
+  if config is None:
+    if saved is None:
+      raise FileNotFoundError(f"{str(workdir)!r} has no saved {training.checkpoint.CONFIG_FILENAME}: pass the "
+                              "run's config (--config=configs/...).")
+    return saved
+  check_against_saved(config, workdir)
+  return config
 
 
 def workdir_config(workdir):

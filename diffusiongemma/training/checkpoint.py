@@ -31,7 +31,7 @@ CONFIG_FILENAME = "config.json"
 # config.train fields that may differ between a checkpoint and the run resuming it.
 OPERATIONAL_TRAIN_FIELDS = ("num_steps", "log_every", "eval_every", "eval_batches",
                             "checkpoint_every", "keep_checkpoints", "async_checkpointing",
-                            "time_budget_s", "nan_policy")
+                            "time_budget_s", "nan_policy", "profile_steps")
 CHECKED_SECTIONS = ("model", "data", "diffusion", "train")
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable
 
 from absl import logging
@@ -33,7 +34,9 @@ import numpy as np
 
 from diffusiongemma import _files
 from diffusiongemma import parallel
+from diffusiongemma import timing
 from diffusiongemma.model import DiffusionGemma
+from diffusiongemma.model import flops as flops_lib
 from diffusiongemma.training import checkpoint as ckpt_lib
 from diffusiongemma.training import lora as lora_lib
 from diffusiongemma.training import metrics as metrics_lib
@@ -214,6 +217,7 @@ def train(task: Task, workdir) -> TrainState:
   `NonFiniteError` (with `nan_policy='error'`) naming the step and metric of a NaN/Inf, and
   `ConfigMismatchError` if the workdir holds a checkpoint of another config.
   """
+  started = time.perf_counter()
   tc = task.loop
   setup = _Setup(task, workdir)
   workdir = setup.workdir
@@ -247,29 +251,45 @@ def train(task: Task, workdir) -> TrainState:
                         "rate schedule now ends at step %d.", tc.num_steps, saved_steps, tc.num_steps)
     _write_config(workdir, setup.config_json)
     return _loop(setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
-                 fresh=start_step is None)
+                 fresh=start_step is None, started=started)
   finally:
     checkpointer.wait()
     checkpointer.close()
 
 
+def step_flops(task: Task) -> float:
+  """Useful FLOPs of one update of `task` (the whole global batch; `model.flops.train_step_flops`)."""
+  cfg, loss = task.model_config, task.loss
+  prompt = task.sequence_length - task.num_canvases * cfg.canvas_length
+  return flops_lib.train_step_flops(cfg, task.loop.batch_size, prompt, task.num_canvases,
+                                    self_conditioning=loss.self_conditioning_prob > 0,
+                                    all_canvases=loss.all_canvases)
+
+
 def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed, *,
-          fresh: bool) -> TrainState:
+          fresh: bool, started: float) -> TrainState:
   tc = setup.task.loop
   step = first_step = int(state.step)
+  tokens_per_step = tc.batch_size * setup.task.sequence_length
+  peak, peak_source = timing.peak_flops_per_device(setup.model_cfg.dtype)
+  meter = metrics_lib.StepMeter(tokens_per_step, jax.device_count(), step_flops(setup.task), peak)
+  logging.info("MFU is counted against a %s peak of %.1f GFLOP/s per device (%s).", peak_source, peak / 1e9,
+               jax.devices()[0].device_kind)
   clock = metrics_lib.Stopwatch(elapsed)  # training time: compiling, evaluating and saving excluded
-  progress = metrics_lib.Progress(tc.num_steps, tc.batch_size * setup.task.sequence_length, step, clock)
+  clock.add("startup", time.perf_counter() - started)
+  progress = metrics_lib.Progress(tc.num_steps, tokens_per_step, step, clock)
   writer = metrics_lib.create_writer(setup.workdir, enabled=parallel.is_main_process())
+  profile = _Profile(tc.profile_steps, setup.workdir)
 
   def run_eval():
-    with clock.excluded():
+    with clock.excluded("eval"):
       results = setup.evaluate(state.params, val_ds, tc.eval_batches)
     writer.write_scalars(step, {f"eval/{k}": v for k, v in results.items()} |
                          {f"time/{k}": v for k, v in clock.totals().items()})
     logging.info("eval at step %d: %s", step, ", ".join(f"{k} {v:.4f}" for k, v in results.items()))
 
   def save():
-    with clock.excluded():
+    with clock.excluded("checkpoint"):
       writer.flush()
       meta = {"config": setup.config_json, "metric_window": accumulator.state(), "elapsed": clock.totals(),
               "topology": _topology(setup.mesh)}
@@ -287,16 +307,21 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
         logging.info("Time budget of %.0f s already spent (%.0f s of training up to step %d): no step to run.",
                      tc.time_budget_s, elapsed["train_s"], step)
       while step < tc.num_steps and not already_spent:
+        profile.before(step + 1)
+        waited = time.perf_counter()
         batch = to_global(next(train_iter), setup.batch_sharding)
+        computed = time.perf_counter()
         if step == first_step:  # the first step compiles: left out of times and tokens/s
-          with clock.excluded():
+          with clock.excluded("compile"):
             state, metrics = setup.train_step(state, batch)
             metrics = jax.device_get(metrics)
           progress.restart(step + 1)
         else:
           state, metrics = setup.train_step(state, batch)
           metrics = jax.device_get(metrics)
+          meter.add(computed - waited, time.perf_counter() - computed)
         step += 1
+        profile.after(step)
         if not step_lib.check_finite(metrics, step, tc.nan_policy):
           logging.warning("Skipped the update of step %d: non-finite metrics.", step)
         accumulator.add(metrics)
@@ -305,8 +330,9 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
           means = accumulator.means()
           means["skipped"] = round((1.0 - means.pop("finite", 1.0)) * accumulator.count)
           accumulator.reset()
-          writer.write_scalars(step, {f"train/{k}": v for k, v in means.items()} |
+          writer.write_scalars(step, {f"train/{k}": v for k, v in means.items()} | meter.scalars() |
                                {f"time/{k}": v for k, v in clock.totals().items()})
+          meter.reset()
           logging.info("%s", progress.line(step, means))
         if tc.eval_every and (step % tc.eval_every == 0 or last):
           run_eval()
@@ -319,9 +345,34 @@ def _loop(setup: _Setup, checkpointer, state, train_iter, val_ds, accumulator, e
         if stop == stopping.TIME_BUDGET:
           logging.info("Time budget of %.0f s spent at step %d; saved and stopping.", tc.time_budget_s, step)
           break
+    # Every span of the run, the last evaluation and checkpoint included: with startup they sum to its wall time.
+    writer.write_scalars(step, {f"time/{k}": v for k, v in clock.totals().items()})
   finally:
+    profile.close()
     writer.close()
   return state
+
+
+class _Profile:
+  """A `jax.profiler` trace of steps first..last (`config.train.profile_steps`) into `workdir/profile`."""
+
+  def __init__(self, steps: tuple[int, int] | None, workdir):
+    self.steps, self.directory, self.active = steps, workdir / "profile", False
+
+  def before(self, step: int) -> None:
+    if self.steps and step == self.steps[0]:
+      jax.profiler.start_trace(str(self.directory))
+      self.active = True
+
+  def after(self, step: int) -> None:
+    if self.active and step == self.steps[1]:
+      self.close()
+      logging.info("Wrote a profile of steps %d-%d to %s.", *self.steps, self.directory)
+
+  def close(self) -> None:
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
 
 
 def evaluate(task: Task, workdir, *, step: int | None = None, num_batches: int | None = None) -> dict:

@@ -159,31 +159,77 @@ class MeanAccumulator:
 
 
 class Stopwatch:
-  """Training time: wall and process-CPU seconds since the start, less the spans run `excluded()`
-  (compilation, evaluation, checkpointing), plus what earlier runs of the same training reported."""
+  """Training time: wall and process-CPU seconds since the start, less the spans run `excluded(kind)`
+  (compilation, evaluation, checkpointing), plus what earlier runs of the same training reported. The
+  excluded spans are summed per kind (`{kind}_s` in `totals()`, earlier runs included too)."""
+
+  KINDS = ("startup", "compile", "eval", "checkpoint")
 
   def __init__(self, earlier: Mapping[str, float] | None = None):
-    self._earlier = {"train_s": 0.0, "cpu_s": 0.0, **(earlier or {})}
+    self._earlier = {"train_s": 0.0, "cpu_s": 0.0, **{f"{k}_s": 0.0 for k in self.KINDS}, **(earlier or {})}
     self._wall, self._cpu = time.perf_counter(), time.process_time()
     self._excluded_wall = self._excluded_cpu = 0.0
+    self._spans = dict.fromkeys(self.KINDS, 0.0)
 
   @contextlib.contextmanager
-  def excluded(self):
+  def excluded(self, kind: str):
+    if kind not in self._spans:
+      raise ValueError(f"Unknown span kind {kind!r}; expected one of {self.KINDS}.")
     wall, cpu = time.perf_counter(), time.process_time()
     try:
       yield
     finally:
       self._excluded_wall += time.perf_counter() - wall
       self._excluded_cpu += time.process_time() - cpu
+      self._spans[kind] += time.perf_counter() - wall
+
+  def add(self, kind: str, seconds: float) -> None:
+    """Counts `seconds` spent before this stopwatch started (e.g. start-up) as an excluded span."""
+    self._spans[kind] += seconds
 
   def seconds(self) -> float:
     """Training seconds of this run."""
     return time.perf_counter() - self._wall - self._excluded_wall
 
   def totals(self) -> dict[str, float]:
-    """Training wall seconds and process CPU seconds of the whole training, earlier runs included."""
+    """Training wall seconds, process CPU seconds and each kind of excluded span's wall seconds, of the whole
+    training, earlier runs included."""
     return {"train_s": self._earlier["train_s"] + self.seconds(),
-            "cpu_s": self._earlier["cpu_s"] + time.process_time() - self._cpu - self._excluded_cpu}
+            "cpu_s": self._earlier["cpu_s"] + time.process_time() - self._cpu - self._excluded_cpu,
+            **{f"{k}_s": self._earlier[f"{k}_s"] + v for k, v in self._spans.items()}}
+
+
+class StepMeter:
+  """Per logging interval: a step's mean seconds waiting for its batch (`perf/data_wait_s`) and computing
+  (`perf/step_s`: from the batch in hand to the step's metrics on the host), and what they give: tokens/s
+  per device, and with the step's useful FLOPs (`model.flops`) and a per-device peak, MFU."""
+
+  def __init__(self, tokens_per_step: int, num_devices: int, flops_per_step: float | None = None,
+               peak_flops_per_device: float | None = None):
+    self.tokens_per_step, self.num_devices = tokens_per_step, num_devices
+    self.flops_per_step, self.peak = flops_per_step, peak_flops_per_device
+    self.reset()
+
+  def reset(self) -> None:
+    self.steps, self.data_s, self.step_s = 0, 0.0, 0.0
+
+  def add(self, data_s: float, step_s: float) -> None:
+    self.steps += 1
+    self.data_s += data_s
+    self.step_s += step_s
+
+  def scalars(self) -> dict[str, float]:
+    """`perf/*` of the steps added since the last reset ({} when none)."""
+    if not self.steps:
+      return {}
+    wait, step = self.data_s / self.steps, self.step_s / self.steps
+    out = {"perf/step_s": step, "perf/data_wait_s": wait,
+           "perf/tokens_per_s_per_device": self.tokens_per_step / max(wait + step, 1e-12) / self.num_devices}
+    if self.flops_per_step:
+      out["perf/model_tflops_per_step"] = self.flops_per_step / 1e12
+      if self.peak:
+        out["perf/mfu"] = self.flops_per_step / max(wait + step, 1e-12) / (self.peak * self.num_devices)
+    return out
 
 
 class Progress:

@@ -21,6 +21,23 @@ from diffusiongemma.training import optim
 NAN_POLICIES = ("error", "skip")
 
 
+def _steps_range(value) -> tuple[int, int] | None:
+  """`config.train.profile_steps` ('a,b', 'a', (a, b), '' or None) as (first, last) steps, 1 <= a <= b."""
+  if value in (None, "", ()):
+    return None
+  parts = [p.strip() for p in value.split(",")] if isinstance(value, str) else list(value)
+  try:
+    steps = [int(p) for p in parts]
+  except (TypeError, ValueError):
+    steps = []
+  if len(steps) == 1:
+    steps *= 2
+  if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
+    raise ValueError(f"config.train.profile_steps must be 'first,last' steps with 1 <= first <= last (or one "
+                     f"step), got {value!r}.")
+  return steps[0], steps[1]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoopSettings:
   """How the loop runs: steps, batch, intervals, budget, seed (`config.train`'s fields of these names)."""
@@ -37,6 +54,7 @@ class LoopSettings:
   nan_policy: str = "error"  # 'error' (stop, naming step and metric) | 'skip' (drop the update)
   seed: int = 0
   grad_accum_steps: int = 1  # micro-batches per update (the same update as the whole batch)
+  profile_steps: Any = None  # 'a,b' (or (a, b)): a jax.profiler trace of steps a..b into workdir/profile
 
   def __post_init__(self):
     for name in ("batch_size", "log_every", "checkpoint_every", "keep_checkpoints", "grad_accum_steps"):
@@ -49,6 +67,7 @@ class LoopSettings:
       raise ValueError(f"config.train.time_budget_s must be a finite number >= 0, got {self.time_budget_s!r}.")
     if self.nan_policy not in NAN_POLICIES:
       raise ValueError(f"Unknown config.train.nan_policy {self.nan_policy!r}; expected one of {NAN_POLICIES}.")
+    object.__setattr__(self, "profile_steps", _steps_range(self.profile_steps))
 
   @classmethod
   def from_mapping(cls, values: Mapping[str, Any]) -> "LoopSettings":
