@@ -30,6 +30,7 @@ from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma.chat import display
+from diffusiongemma import build
 
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (instead of --hf_checkpoint).")
@@ -134,4 +135,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  build.cli.run(main)

@@ -14,6 +14,7 @@ from ml_collections import config_flags
 import diffusiongemma as dg
 from diffusiongemma.parallel import mesh as mesh_lib
 from diffusiongemma.build import plan as plan_lib
+from diffusiongemma import build
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the planned mesh (none are needed here).")
@@ -49,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  build.cli.run(main)

@@ -22,6 +22,7 @@ from diffusiongemma import data as data_lib
 from diffusiongemma.data import hf_tokenizer
 from diffusiongemma.data import prepared
 from diffusiongemma.data import sources
+from diffusiongemma import build
 
 _SOURCE = flags.DEFINE_string("source", None, "The corpus: 'stdlib', a folder, a .jsonl/.parquet/.arrow file, "
                               "or a datasets save_to_disk folder.")
@@ -76,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  build.cli.run(main)

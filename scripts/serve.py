@@ -158,4 +158,4 @@ def _exit() -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  build.cli.run(main)

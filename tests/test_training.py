@@ -531,6 +531,11 @@ def test_fine_tuning_from_a_workdir_full_and_lora(corpus, tmp_path):
     dg.build.run_config(tmp_path / "base", _config(corpus, **{"model.num_layers": 3}))
   with pytest.raises(FileNotFoundError, match="no saved config.json"):
     dg.build.run_config(tmp_path / "nowhere")
+  # A binary says such a mistake in one line (build.cli.run), not in a traceback or the flags' help.
+  out = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"--workdir={tmp_path / 'lora'}",
+                        f"--config={ROOT / 'configs' / 'tiny.py'}"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1 and "Traceback" not in out.stderr and "--helpfull" not in out.stderr, out.stderr
+  assert "error: The config given does not match the run in" in out.stderr and "train.lora_rank=0" in out.stderr
   with pytest.raises(ValueError, match="lora_rank=2 trains adapters on frozen weights"):
     dg.build.lora_config(_config(corpus, **{"train.lora_rank": 2}))
   with pytest.raises(FileNotFoundError, match="init_from='/nowhere' is neither"):

@@ -3,6 +3,7 @@
 Scripts, notebooks, benchmarks and tests build what they need here; nothing inside the package imports it.
 
 - `config`: the base config every config file starts from (`base_config`, `load_config_file`);
+- `cli`: `run(main)`, absl's `app.run` with a user's mistake in one line (no traceback);
 - `registry`: which config name means which noise, acceptance rule, stopping rule or schedule;
 - `models`: `model_config`, `noise`, `loss`, `sampler`, `ar_sampler` of a config;
 - `tasks`: `train_task(config, workdir)` (a `training.Task`), datasets, the tokenizer; `train`, `evaluate`;
@@ -13,6 +14,7 @@ Scripts, notebooks, benchmarks and tests build what they need here; nothing insi
 - `plan`: per-device memory plans of a config on a mesh.
 """
 
+from diffusiongemma.build import cli
 from diffusiongemma.build import config
 from diffusiongemma.build import registry
 from diffusiongemma.build.models import ar_sampler
@@ -41,7 +43,7 @@ from diffusiongemma.build.weights import run_config
 from diffusiongemma.build.weights import workdir_config
 
 __all__ = [
-    "Pretrained", "Weights", "ar_sampler", "chat_sampler", "config", "copy_tokenizer", "dataset", "evaluate", "generative_eval", "load",
+    "Pretrained", "Weights", "ar_sampler", "chat_sampler", "cli", "config", "copy_tokenizer", "dataset", "evaluate", "generative_eval", "load",
     "lora_config", "loss", "max_new_tokens", "model", "model_config", "noise", "pretrained", "random_variables",
     "registry", "run_config", "sampler", "sampler_config", "tokenizer", "train", "train_task", "workdir_config",
 ]
