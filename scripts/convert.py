@@ -75,7 +75,7 @@ def main(argv):
   elif source == "--from_workdir":
     config = config or build.workdir_config(source_path)
     if config is None:
-      raise app.UsageError(f"{source_path} has no config.json to read the model config from: pass --config.")
+      raise FileNotFoundError(f"{source_path} has no config.json to read the model config from: pass --config.")
     cfg = build.model_config(config)
     variables, _ = training.load_params(source_path, step=_STEP.value)
   else:

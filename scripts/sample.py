@@ -128,14 +128,11 @@ def _with_images(prompts: list[list[int]], cfg):
 def _constraint(sampler, tokenizer):
   if _REGEX.value is not None and _JSON_SCHEMA.value:
     raise app.UsageError("Pass --regex or --json_schema, not both.")
-  try:
-    if _REGEX.value is not None:
-      return constrained.Constraint.regex(_REGEX.value, tokenizer, sampler)
-    if _JSON_SCHEMA.value:
-      schema = pathlib.Path(_JSON_SCHEMA.value).read_text()
-      return constrained.Constraint.json_schema(schema, tokenizer, sampler)
-  except ValueError as error:
-    raise app.UsageError(str(error)) from None
+  if _REGEX.value is not None:  # a bad pattern or schema: one line (build.cli.run)
+    return constrained.Constraint.regex(_REGEX.value, tokenizer, sampler)
+  if _JSON_SCHEMA.value:
+    schema = pathlib.Path(_JSON_SCHEMA.value).read_text()
+    return constrained.Constraint.json_schema(schema, tokenizer, sampler)
   return None
 
 
@@ -145,10 +142,7 @@ def _infill(sampler, tokenizer, max_new: int):
     return None, None
   c = sampler.canvas_length
   length = -(-max_new // c) * c
-  try:
-    canvas = cons.infill_canvas(_INFILL.value, tokenizer, length=length, pad_id=sampler.model.config.pad_id)
-  except ValueError as error:
-    raise app.UsageError(str(error)) from None
+  canvas = cons.infill_canvas(_INFILL.value, tokenizer, length=length, pad_id=sampler.model.config.pad_id)
   return canvas.tokens, canvas.given
 
 
