@@ -17,10 +17,11 @@ from hf_guard import pytest_make_collect_report, pytest_runtest_makereport  # no
 # Under pytest-xdist (`.ci/run`: -n 2 --dist=loadgroup) each group runs whole on one worker, so a module's
 # fixtures are built once. A group is a module, except where modules share an expensive session fixture.
 _SHARED_SESSION_FIXTURE = {"test_serving.py": "server", "test_serving_page.py": "server"}
-# Modules of more than about a minute, slowest first: they start first, so that no worker is left alone with
-# one of them at the end of a run (the rest keep collection order).
-_SLOW_MODULES = ("test_training.py", "test_multihost.py", "test_benchmarks.py", "test_text.py", "test_sudoku.py",
-                 "test_parallel.py", "test_gcs_workdir.py", "test_quality.py", "test_adapt.py")
+# Modules of more than about three minutes (a clean clone's `.ci/run` with --durations=0), slowest first: they
+# start first, so that no worker is left alone with one of them at the end of a run (the rest keep their order).
+_SLOW_MODULES = ("test_training.py", "test_quality.py", "test_sudoku.py", "test_sampling.py", "test_multihost.py",
+                 "test_parallel.py", "test_text.py", "test_constrained_sampling.py", "test_finetuning.py",
+                 "test_benchmarks.py", "test_harness.py", "test_model.py")
 
 
 def pytest_collection_modifyitems(items):
