@@ -14,7 +14,8 @@ A transformers checkpoint folder (--hf_checkpoint) alone is enough: its tokenize
 (`build.pretrained`); with --config too, config.sampler replaces the generation defaults. Otherwise
 --workdir: the latest checkpoint in --workdir/checkpoints, run with the config the run saved (config.json:
 LoRA adapters merged, init_from and canvas as trained); a --config given beside it is refused by field name
-where it differs in what the weights depend on. With --random_init and --config, a random initialisation; the tokenizer is config.data.tokenizer_path or --workdir/tokenizer.model (trained on
+where it differs in what the weights depend on. With --random_init and --config, a random initialisation;
+the tokenizer is config.data.tokenizer_path or --workdir/tokenizer.model (trained on
 the corpus if missing); the model, the noise (config.diffusion.noise: what the model was trained with) and
 the sampler settings (config.sampler, overridden as --config.sampler.max_denoising_steps=16) come from
 `build`, as in every binary. Prompts are plain text after bos (no chat format: scripts/chat.py has it);
