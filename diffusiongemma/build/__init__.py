@@ -43,7 +43,8 @@ from diffusiongemma.build.weights import run_config
 from diffusiongemma.build.weights import workdir_config
 
 __all__ = [
-    "Pretrained", "Weights", "ar_sampler", "chat_sampler", "cli", "config", "copy_tokenizer", "dataset", "evaluate", "generative_eval", "load",
-    "lora_config", "loss", "max_new_tokens", "model", "model_config", "noise", "pretrained", "random_variables",
-    "registry", "run_config", "sampler", "sampler_config", "tokenizer", "train", "train_task", "workdir_config",
+    "Pretrained", "Weights", "ar_sampler", "chat_sampler", "cli", "config", "copy_tokenizer", "dataset",
+    "evaluate", "generative_eval", "load", "lora_config", "loss", "max_new_tokens", "model", "model_config",
+    "noise", "pretrained", "random_variables", "registry", "run_config", "sampler", "sampler_config",
+    "tokenizer", "train", "train_task", "workdir_config",
 ]
