@@ -70,7 +70,7 @@ from diffusiongemma import build
 from diffusiongemma.build.config import load_config_file
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_CONFIG = build.cli.define_config("config", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoint to benchmark, and where benchmark.json goes.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes for both decoders.")
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "New tokens per row (0: config.sampler's).")

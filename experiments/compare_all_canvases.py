@@ -14,14 +14,13 @@ import pathlib
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 from diffusiongemma import build
 from diffusiongemma import parallel
 from diffusiongemma import training
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
-                                          lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "A config file (configs/*.py).",
+                                lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Each mode trains in a subfolder of this.")
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _BUDGET = flags.DEFINE_float("budget_s", 600.0, "Training seconds per mode.")

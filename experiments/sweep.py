@@ -22,14 +22,13 @@ import pathlib
 from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma import training
 from diffusiongemma import build
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "The config file the model was trained with.",
-                                          lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "The config file the model was trained with.",
+                                lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (latest checkpoint).")
 _COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
 _BASELINE = flags.DEFINE_string("baseline_workdir", None, "An AR baseline's workdir: the judge plotted.")

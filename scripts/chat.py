@@ -26,7 +26,6 @@ import sys
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma.chat import display
@@ -35,8 +34,8 @@ from diffusiongemma import build
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (instead of --hf_checkpoint).")
 _COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()
-_CONFIG = config_flags.DEFINE_config_file("config", None, "With --workdir: the run's config (default: the "
-                                          "one it saved).", lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "With --workdir: the run's config (default: the "
+                                "one it saved).", lock_config=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "With --workdir: a checkpoint folder whose tokenizer to use.")
 _MESSAGE = flags.DEFINE_string("message", None, "Answer this one message and exit (default: read stdin).")
 _SYSTEM = flags.DEFINE_string("system", None, "The system prompt.")

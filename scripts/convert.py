@@ -25,15 +25,14 @@ The tokenizer of a workdir or transformers source (`tokenizer.model`, or `tokeni
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 from diffusiongemma import build
 from diffusiongemma import convert
 from diffusiongemma import training
 from diffusiongemma.convert import orbax
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file whose config.model describes the "
-                                          "weights of an orbax or workdir source (default: the saved one).")
+_CONFIG = build.cli.define_config("config", None, "A config file whose config.model describes the "
+                                "weights of an orbax or workdir source (default: the saved one).")
 _FROM_HF = flags.DEFINE_string("from_hf", None, "A transformers folder: DiffusionGemma or a Gemma 4 causal LM.")
 _FROM_WORKDIR = flags.DEFINE_string("from_workdir", None, "A training workdir (workdir/checkpoints); a folder or "
                                     "gs://bucket/path.")

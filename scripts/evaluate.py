@@ -18,15 +18,14 @@ import pathlib
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 from diffusiongemma import build
 from diffusiongemma import parallel
 from diffusiongemma import training
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "The config file the model was trained with (default: the workdir's saved config.json; "
-    "one given must match it in what the weights depend on).", lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "The config file the model was trained with (default: the "
+                                "workdir's saved config.json; one given must match it in what the weights "
+                                "depend on).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir.")
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
 _STEP = flags.DEFINE_integer("step", None, "The checkpoint step (default: the latest).")

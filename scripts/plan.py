@@ -9,14 +9,13 @@ r"""Per-device memory of a config on a mesh, with no allocation; says whether it
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 import diffusiongemma as dg
 from diffusiongemma.parallel import mesh as mesh_lib
 from diffusiongemma.build import plan as plan_lib
 from diffusiongemma import build
 
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_CONFIG = build.cli.define_config("config", lock_config=True)
 _NUM_DEVICES = flags.DEFINE_integer("num_devices", 8, "Devices of the planned mesh (none are needed here).")
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Global batch (sequences).")
 _LENGTH = flags.DEFINE_integer("sequence_length", 8192, "Tokens per sequence: the KV cache length when "

@@ -34,7 +34,6 @@ import pathlib
 from absl import app
 from absl import flags
 import jax
-from ml_collections import config_flags
 import numpy as np
 
 import diffusiongemma as dg
@@ -45,7 +44,7 @@ from diffusiongemma.diffusion import constraints as cons
 from diffusiongemma.sampling import constrained
 from diffusiongemma.sampling import stats
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).", lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "A config file (configs/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training workdir (checkpoints, tokenizer): a folder or "
                                "gs://bucket/path.")
 _COMPILATION_CACHE = dg.parallel.define_compilation_cache_flag()

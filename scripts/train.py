@@ -14,14 +14,13 @@ every one after the same step, in one save. Running the same command again resum
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
 from diffusiongemma import build
 from diffusiongemma import parallel
 from diffusiongemma import training
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A config file (configs/*.py).",
-                                          lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "A config file (configs/*.py).",
+                                lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics, tokenizer and caches go here: a folder "
                               "or gs://bucket/path.")
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
