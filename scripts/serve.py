@@ -27,7 +27,6 @@ import sys
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 import uvicorn
 
 from diffusiongemma import build
@@ -40,8 +39,8 @@ from diffusiongemma.sampling import presets
 _HF = flags.DEFINE_string("hf_checkpoint", None, "A transformers DiffusionGemma checkpoint folder.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir (instead of --hf_checkpoint).")
 _COMPILATION_CACHE = parallel.define_compilation_cache_flag()
-_CONFIG = config_flags.DEFINE_config_file("config", None, "With --workdir: the run's config (default: the "
-                                          "one it saved).", lock_config=True)
+_CONFIG = build.cli.define_config("config", None, "With --workdir: the run's config (default: the "
+                                "one it saved).", lock_config=True)
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "With --workdir: a checkpoint folder whose tokenizer to use "
                                  "(default: the workdir's tokenizer.json, else its sentencepiece model, which "
                                  "serves /v1/completions only).")
@@ -88,9 +87,7 @@ def _model():
             chat_format.template_prefills_empty_thought(_HF.value), pathlib.Path(_HF.value).resolve().name)
   if _WORKDIR.value:
     workdir = pathlib.Path(_WORKDIR.value)
-    config = _CONFIG.value or build.workdir_config(workdir)
-    if config is None:
-      raise app.UsageError(f"{workdir} has no saved config.json: pass --config.")
+    config = build.run_config(workdir, _CONFIG.value)  # the run as trained; a --config given must match it
     weights = build.load(config, workdir=workdir)
     sampler = build.sampler(config, weights.model_config, **presets.preset_overrides(_PRESET.value))
     if _TOKENIZER.value or (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():

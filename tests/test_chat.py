@@ -182,7 +182,8 @@ def test_bad_checkpoint_folders_and_settings_are_clear_errors(checkpoint, tmp_pa
     dg.ChatSampler.from_pretrained(_copy(checkpoint, tmp_path / "no_tokenizer", skip=("tokenizer.json",)))
   plain = _copy(checkpoint, tmp_path / "plain_tokenizer", skip=("tokenizer.json",))
   chat_fixtures.write_tokenizer(plain, control=())
-  with pytest.raises(ValueError, match=r"has no control token '<\|turn>'"):
+  with pytest.raises(ValueError, match=r"ChatSampler needs a tokenizer with the Gemma 4 control tokens.*lacks "
+                     r"\['<\|turn>'"):  # a text tokenizer: it completes text (tests/test_cli.py), but cannot chat
     dg.ChatSampler.from_pretrained(plain)
   with pytest.raises(ValueError, match=r"Unknown sampler preset 'fast'; known presets: \['code', 'creative'"):
     dg.ChatSampler.from_pretrained(checkpoint, "fast")

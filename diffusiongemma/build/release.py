@@ -71,6 +71,13 @@ def save(workdir, folder, provenance: dict, *, storage_dtype: str = "float32"):
   return folder
 
 
+def is_release(folder) -> bool:
+  """Whether `folder` is one `save` wrote (its params.safetensors and config.json; no checkpoints/)."""
+  folder = _files.as_path(folder, "folder")
+  return (_files.present(folder / "params.safetensors") and _files.present(folder / "config.json")
+          and not (folder / checkpoint.CHECKPOINT_DIRNAME).exists())
+
+
 def load(folder, what: str = "released weights") -> tuple[ml_collections.ConfigDict, dict, dict]:
   """(the run's config, its variables `{'params': ...}` as float32, its provenance) of a shipped folder."""
   folder = pathlib.Path(folder)

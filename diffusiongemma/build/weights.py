@@ -1,5 +1,6 @@
-"""Which weights to run: a training workdir's checkpoint (with LoRA adapters merged), a transformers
-folder, or a random initialisation; and a chat session of a training workdir."""
+"""Which weights to run: a training workdir's checkpoint (with LoRA adapters merged), a released-weights
+folder (`release.save`: projects/*/weights/*, loaded as a workdir), a transformers folder, or a random
+initialisation; and a chat session of a training workdir."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from diffusiongemma import convert
 from diffusiongemma import training
 from diffusiongemma.build import init_from
 from diffusiongemma.build import models
+from diffusiongemma.build import release
 from diffusiongemma.build import tasks
 from diffusiongemma.chat import ChatSampler
 from diffusiongemma.data import hf_tokenizer
@@ -55,6 +57,12 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
 
 
 def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
+  if workdir is not None and not random_init and release.is_release(workdir):
+    check_against_saved(config, workdir)
+    _, variables, provenance = release.load(workdir)
+    if shardings is not None:
+      variables = jax.device_put(variables, shardings(cfg) if callable(shardings) else shardings)
+    return Weights(cfg, variables, f"released weights {workdir} (step {provenance.get('step')})")
   if workdir is not None and not random_init and checkpoint.latest_step(workdir) is not None:
     check_against_saved(config, workdir)
     lora_cfg = tasks.lora_config(config)
@@ -91,15 +99,26 @@ def _weight_fields(config) -> dict:
   return json.loads(json.dumps(fields))  # tuples and lists alike, as config.json holds them
 
 
+def _tokenizer_file(config, workdir):
+  """The tokenizer file a config runs with: `data.tokenizer_path`, else the one training wrote in the workdir."""
+  path = config.data.get("tokenizer_path", "") if "data" in config else ""
+  return _files.as_path(path or _files.as_path(workdir, "workdir") / release.TOKENIZER, "data.tokenizer_path")
+
+
 def check_against_saved(config, workdir) -> None:
   """Refuses `config` by field name where it differs from the config `workdir`'s run saved in what the
-  weights depend on (`_weight_fields`). A workdir without a saved config is not checked."""
+  weights depend on (`_weight_fields`, and the tokenizer: another file with other contents). A workdir without
+  a saved config is not checked."""
   saved = workdir_config(workdir)
   if saved is None or config is saved:
     return
   given, trained = _weight_fields(init_from.resolve(config)), _weight_fields(saved)
   differ = [f"{k}={given.get(k)!r} (trained with {trained.get(k)!r})" for k in sorted(set(given) | set(trained))
             if given.get(k) != trained.get(k)]
+  ours, theirs = _tokenizer_file(config, workdir), _tokenizer_file(saved, workdir)
+  if ours != theirs and _files.present(ours) and _files.present(theirs) and (
+      _files.read_bytes(ours, _files.TOKENIZER_MAX_BYTES) != _files.read_bytes(theirs, _files.TOKENIZER_MAX_BYTES)):
+    differ.append(f"data.tokenizer_path={str(ours)!r} (trained with another tokenizer, {str(theirs)!r})")
   if differ:
     raise ValueError(f"The config given does not match the run in {str(workdir)!r}: {'; '.join(differ)}. Pass "
                      "--workdir alone to load the run as trained (its config.json), or a config that matches it.")
@@ -124,7 +143,10 @@ def workdir_config(workdir):
   path = _files.as_path(workdir, "workdir") / training.checkpoint.CONFIG_FILENAME
   if not _files.present(path):
     return None
-  return ml_collections.ConfigDict(_files.read_json(path))
+  config = ml_collections.ConfigDict(_files.read_json(path))
+  if release.is_release(workdir) and _files.present(path.parent / release.TOKENIZER) and "data" in config:
+    config.data.tokenizer_path = str(path.parent / release.TOKENIZER)  # its own copy, not the trainer's path
+  return config
 
 
 def chat_sampler(workdir, config=None, *, tokenizer=None, preset: str = "default",

@@ -175,6 +175,9 @@ def config_from_hf(hf_config: dict[str, Any], *, source: os.PathLike | str = "co
   token ids non-negative ones), and the ModelConfig checks how they fit together (one layer type per layer,
   heads divisible by key/value heads, ...): every error names `source` and the config.json field.
   """
+  if isinstance(hf_config.get("model"), dict) and isinstance(hf_config.get("data"), dict):
+    raise _files.BadFileError(f"{source} is a training run's config, not a transformers one: its folder is a "
+                              "training workdir or released weights (pass it as --workdir).")
   top = _files.Fields(hf_config, source)
   text = top.mapping("text_config") if top.get("text_config", None) is not None else top
   is_gemma4 = gemma4.model_type(hf_config) is not None

@@ -63,7 +63,9 @@ class CheckpointTokenizer:
   unless `parse_special=False` (then they are text like any other: untrusted text, e.g. a user's message).
   `decode(ids)` drops special tokens (bos, eos, pad, control tokens) unless `skip_special_tokens=False`.
   `control_ids` maps each Gemma 4 control token found to its id (all of `REQUIRED_CONTROL_TOKENS`, any
-  of `OPTIONAL_CONTROL_TOKENS`); `special_tokens` maps every special id to its text.
+  of `OPTIONAL_CONTROL_TOKENS`; empty for a text tokenizer without them, which completes text but cannot
+  chat); `special_tokens` maps every special id to its text. bos/eos/pad are the tokens
+  tokenizer_config.json names, else Gemma's `<bos>`/`<eos>`/`<pad>`, else a sentencepiece model's own.
   """
 
   def __init__(self, folder: os.PathLike | str):
@@ -79,11 +81,21 @@ class CheckpointTokenizer:
       self._backend = _SentencePieceBackend(model_file)
     else:
       raise FileNotFoundError(f"{self.folder} has no tokenizer: neither {TOKENIZER_JSON} nor {TOKENIZER_MODEL}.")
-    named = _named_tokens(self.folder / TOKENIZER_CONFIG)
-    self._named = {name: self._require(text, f"{name} {text!r}") for name, text in named.items()}
-    self.control_ids: dict[str, int] = {t: self._require(t, "control token") for t in REQUIRED_CONTROL_TOKENS}
+    configured = _named_tokens(self.folder / TOKENIZER_CONFIG)
+    named = {**_DEFAULT_NAMED, **configured}
+    self._named = {}
+    for name, text in named.items():  # Gemma's spelling, unless tokenizer_config.json names another
+      token_id = self._backend.token_to_id(text)
+      if token_id is None and name not in configured and (own := self._backend.role_id(name)) is not None:
+        token_id, named[name] = own, self._backend.id_to_token(own)  # e.g. this project's sentencepiece model
+      self._named[name] = self._require(text, name) if token_id is None else token_id
+    # The Gemma 4 control tokens: all of them (a chat model's tokenizer) or none (text completion only, e.g.
+    # a model trained here on its own sentencepiece tokenizer); some but not all is a damaged tokenizer.
+    found = [t for t in REQUIRED_CONTROL_TOKENS if self._backend.token_to_id(t) is not None]
+    self.control_ids: dict[str, int] = {t: self._require(t, "control token") for t in REQUIRED_CONTROL_TOKENS
+                                        if found}
     self.control_ids.update({t: i for t in OPTIONAL_CONTROL_TOKENS
-                             if (i := self._backend.token_to_id(t)) is not None})
+                             if found and (i := self._backend.token_to_id(t)) is not None})
     self._backend.mark_special(list(named.values()) + list(self.control_ids))
     self.special_tokens: dict[int, str] = self._backend.special_tokens()
     for text in self.control_ids:  # e.g. a sentencepiece piece that its model does not treat as one
@@ -94,8 +106,8 @@ class CheckpointTokenizer:
   def _require(self, text: str, what: str) -> int:
     token_id = self._backend.token_to_id(text)
     if token_id is None:
-      raise ValueError(f"The tokenizer {self.path} has no {what} {text!r}; a Gemma 4 checkpoint's tokenizer "
-                       f"needs {list(REQUIRED_CONTROL_TOKENS)} and bos/eos/pad.")
+      raise ValueError(f"The tokenizer {self.path} has no {what} {text!r}; a Gemma 4 chat tokenizer has all of "
+                       f"{list(REQUIRED_CONTROL_TOKENS)}, a text tokenizer none, and either has bos/eos/pad.")
     return token_id
 
   @property
@@ -163,6 +175,13 @@ class _JsonBackend:
   def token_to_id(self, text: str) -> int | None:
     return self._tok.token_to_id(text)
 
+  def id_to_token(self, token_id: int) -> str:
+    return self._tok.id_to_token(token_id)
+
+  def role_id(self, name: str) -> int | None:  # tokenizer.json has no bos/eos/pad of its own
+    del name
+    return None
+
   def mark_special(self, texts: list[str]) -> None:
     """Registers as special added tokens those of `texts` that are not already (their ids are kept)."""
     added = {t.content: t for t in self._tok.get_added_tokens_decoder().values()}
@@ -205,6 +224,14 @@ class _SentencePieceBackend:
   def token_to_id(self, text: str) -> int | None:
     token_id = self._sp.piece_to_id(text)
     return None if token_id == self._sp.unk_id() and text != self._sp.id_to_piece(token_id) else token_id
+
+  def id_to_token(self, token_id: int) -> str:
+    return self._sp.id_to_piece(token_id)
+
+  def role_id(self, name: str) -> int | None:
+    """The model's own id of 'bos_token', 'eos_token' or 'pad_token' (None where it has none)."""
+    token_id = {"bos_token": self._sp.bos_id, "eos_token": self._sp.eos_id, "pad_token": self._sp.pad_id}[name]()
+    return token_id if token_id >= 0 else None
 
   def mark_special(self, texts: list[str]) -> None:
     self._special.update({t: self._sp.piece_to_id(t) for t in texts})
@@ -252,11 +279,11 @@ class _SentencePieceBackend:
 
 
 def _named_tokens(config_file: pathlib.Path) -> dict[str, str]:
-  """bos/eos/pad token texts from tokenizer_config.json (a string or an AddedToken dict), else Gemma's."""
-  named = dict(_DEFAULT_NAMED)
+  """The bos/eos/pad token texts tokenizer_config.json names (a string or an AddedToken dict)."""
+  named = {}
   if _files.present(config_file):
     config = _files.read_json(config_file)
-    for name in named:
+    for name in _DEFAULT_NAMED:
       value = config.get(name)
       if isinstance(value, Mapping):
         value = value.get("content")
