@@ -345,7 +345,9 @@ def test_a_saved_position_resumes_with_another_process_count_or_is_refused():
     (dict(shard_index=2, shard_count=2), r"shard_index must be in \[0, 2\), got 2"),
     (dict(prompt_length=40, canvas_length=16, num_canvases=4),
      r"100 tokens, fewer than one sequence of .* = 40 \+ 4 \* 16 = 104 tokens"),
-    (dict(batch_size=11), "9 sequences of 11 tokens: fewer than one global batch of 11"),
+    (dict(batch_size=11), r"The training split has 9 sequences of 11 tokens: fewer than one global batch of 11 "
+                          r"\(config.train.batch_size\): lower it\.$"),
+    (dict(batch_size=11, train=False), r"validation split has 9 .* lower it, or raise config.data.validation_fraction"),
 ])
 def test_bad_pipeline_arguments(kwargs, match):
   args = dict(prompt_length=3, canvas_length=4, num_canvases=2, batch_size=2, seed=0, train=True)

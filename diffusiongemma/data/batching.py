@@ -42,7 +42,9 @@ class GlobalBatches:
       raise ValueError(f"The global batch size {global_batch_size} is not a positive multiple of the "
                        f"{process_count} processes.")
     if num_items < global_batch_size:
-      raise ValueError(f"{num_items} {what}: fewer than one global batch of {global_batch_size}.")
+      split, more = ("training", "") if train else ("validation", ", or raise config.data.validation_fraction")
+      raise ValueError(f"The {split} split has {num_items} {what}: fewer than one global batch of "
+                       f"{global_batch_size} (config.train.batch_size): lower it{more}.")
     self.num_items, self.fetch, self.seed, self.train = int(num_items), fetch, int(seed), train
     self.global_batch_size, self.process_index, self.process_count = global_batch_size, process_index, process_count
     self.rows = global_batch_size // process_count

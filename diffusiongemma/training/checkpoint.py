@@ -71,6 +71,12 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def discard_if_empty(self) -> None:
+    """Removes `workdir/checkpoints` if nothing was ever saved in it (a run that failed before its first save
+    leaves no empty folder behind to look like a run)."""
+    if self.directory.is_dir() and not any(self.directory.iterdir()):
+      self.directory.rmdir()
+
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 

@@ -252,6 +252,11 @@ def train(task: Task, workdir) -> TrainState:
     _write_config(workdir, setup.config_json)
     return _loop(setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
                  fresh=start_step is None, started=started)
+  except BaseException:
+    checkpointer.wait()
+    if parallel.is_main_process():
+      checkpointer.discard_if_empty()
+    raise
   finally:
     checkpointer.wait()
     checkpointer.close()
