@@ -184,6 +184,22 @@ MUTATIONS = (
              "  share = 1.0 if all_canvases else 1.0 / num_canvases",
              "  share = 1.0",
              ("tests/test_train_step.py::test_the_analytic_flops_of_a_step_are_what_xla_counts",)),
+    Mutation("a run's tokenizer replaced by another file without a word",
+             "diffusiongemma/build/weights.py",
+             "  if ours != theirs and _files.present(ours) and _files.present(theirs) and (",
+             "  if False and (",
+             ("tests/test_cli.py::test_released_weights_load_as_a_workdir_with_their_own_tokenizer",)),
+    Mutation("a mistyped --config override as a traceback",
+             "diffusiongemma/build/cli.py",
+             "    except (KeyError, AttributeError) as error:",
+             "    except ZeroDivisionError as error:",
+             ("tests/test_cli.py::test_config_takes_a_saved_config_json_and_names_a_mistyped_override",)),
+    Mutation("a text tokenizer in a checkpoint folder without its own bos/eos/pad",
+             "diffusiongemma/data/hf_tokenizer.py",
+             "      if token_id is None and name not in configured and (own := self._backend.role_id(name)) is not "
+             "None:",
+             "      if False:",
+             ("tests/test_cli.py::test_a_text_tokenizer_in_a_checkpoint_folder_completes_text_and_cannot_chat",)),
 )
 
 
