@@ -146,7 +146,7 @@ def moe_against_dense(cfg: ModelConfig, tokens: int, repeats: int = 3, seed: int
           "top_k": cfg.top_k}
 
 
-def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, float]:
+def step_breakdown(sampler, params, prompts, repeats: int = 3, matmuls: bool = True) -> dict[str, float]:
   """Seconds of the parts of one denoising step of `sampler` at this batch, each jitted alone on the
   state after a first step (so that self-conditioning is on): `denoiser` the pass from canvas to final
   hidden states; `head` the vocabulary head (LM head, soft embedding, statistics, streamed);
@@ -154,7 +154,7 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
   comparison, the bare LM head (logits and softcap, no statistics) and the head's two matmuls bare (those
   logits, then weighted by themselves into embedding rows: the soft embedding's matmul), the step's matmuls
   run one at a time (`matmuls_alone`: `step_matmuls_alone_seconds`, their FLOPs, how many, and how many
-  under a `cond` left out), and XLA's FLOPs of denoiser + head."""
+  under a `cond` left out; skipped when not `matmuls`), and XLA's FLOPs of denoiser + head."""
   from diffusiongemma.sampling import prompts as prompts_lib  # pylint: disable=g-import-not-at-top
   from diffusiongemma.sampling import steps, vocab  # pylint: disable=g-import-not-at-top
   model, rules = sampler.model, sampler.rules
@@ -184,9 +184,10 @@ def step_breakdown(sampler, params, prompts, repeats: int = 3) -> dict[str, floa
                          ("bare_lm_head", bare, (variables, hidden)), ("bare_head_matmuls", pair, (variables, hidden)),
                          ("step", step, (variables, cache, state))):
     out[f"{name}_seconds"] = time_call(fn, *args, repeats=repeats).best
-  alone = matmuls_alone(step, variables, cache, state)
-  out.update(step_matmuls_alone_seconds=alone["seconds"], step_matmul_flops=alone["flops"],
-             step_dots=alone["dots"], step_conditional_dots=alone["conditional_dots"])
+  if matmuls:
+    alone = matmuls_alone(step, variables, cache, state)
+    out.update(step_matmuls_alone_seconds=alone["seconds"], step_matmul_flops=alone["flops"],
+               step_dots=alone["dots"], step_conditional_dots=alone["conditional_dots"])
   out["xla_flops"] = cost(body, variables, cache, state)["flops"] + cost(head, variables, hidden)["flops"]
   out["useful_flops"] = denoiser_flops(cfg, b, int(prompts.shape[1]))
   return out

@@ -76,7 +76,8 @@ _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Batch sizes f
 _NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 0, "New tokens per row (0: config.sampler's).")
 _PROMPT_LENGTH = flags.DEFINE_integer("prompt_length", 0, "Prompt tokens (0: config.data.prompt_length).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per figure (median; peaks: the best of 5 or more).")
-_QUICK = flags.DEFINE_bool("quick", False, "Smallest sizes: batch sizes 1 and 4, one repeat, small peaks.")
+_QUICK = flags.DEFINE_bool("quick", False, "Smallest sizes: batch sizes 1 and 4, one repeat, small peaks; the "
+                            "step's matmuls are not timed one by one.")
 _TRAIN_CONFIGS = flags.DEFINE_list(
     "train_configs", ["configs/tiny.py", "configs/small.py"],
     "Config files (path or path:arg) whose train step is timed; --quick times only the first.")
@@ -268,7 +269,7 @@ def main(argv):
     logging.info("batch %d: %s", batch, row)
   results["efficiency"] = {"batch_size": batch_sizes[-1],
                            **_efficiency(sampler.model, params, prompts, peak, bandwidth, repeats)}
-  step = measure.step_breakdown(sampler, params, prompts, repeats=max(repeats, 3))
+  step = measure.step_breakdown(sampler, params, prompts, repeats=max(repeats, 3), matmuls=not quick)
   last = results["decoding"][-1]
   results["step"] = {"batch_size": batch_sizes[-1], **step,
                      **{f"{part}_fraction": step[f"{part}_seconds"] / step["step_seconds"]
