@@ -35,9 +35,13 @@ def pytest_collection_modifyitems(items):
 def shared_compilation_cache(tmp_path_factory):
   """One persistent compilation cache for every binary the tests start (subprocesses inherit the variable;
   `parallel.enable_compilation_cache` prefers it to their workdir), so a program compiled by one test's
-  subprocess is read back by the next. A cache dir already set outside pytest is kept."""
+  subprocess is read back by the next, on either pytest-xdist worker (their common temporary folder). A
+  cache dir already set outside pytest is kept."""
   if not os.environ.get(compilation_cache.ENV_VAR):
-    os.environ[compilation_cache.ENV_VAR] = str(tmp_path_factory.mktemp("compilation_cache"))
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # .../pytest-N/popen-gwK
+    (shared / "compilation_cache").mkdir(exist_ok=True)
+    os.environ[compilation_cache.ENV_VAR] = str(shared / "compilation_cache")
   # JAX reads the variable lazily, so it would also turn the persistent cache on in this process, which
   # compiles everything once anyway: only the binaries it starts share the cache.
   jax.config.update("jax_enable_compilation_cache", False)

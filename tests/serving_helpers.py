@@ -46,15 +46,16 @@ def env() -> dict:
 
 
 class ServerProcess:
-  """`python scripts/serve.py --hf_checkpoint=folder --port=<free> *args`, its stderr in `log_path`."""
+  """`python scripts/serve.py --hf_checkpoint=folder --dtype=float32 --port=<free> *args` (with `workdir`:
+  `--workdir=folder` instead of the first two), its stderr in `log_path`."""
 
-  def __init__(self, folder, log_path, *args: str):
+  def __init__(self, folder, log_path, *args: str, workdir: bool = False):
     self.port = free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self.log_path = pathlib.Path(log_path)
     self._log = open(self.log_path, "w", encoding="utf-8")  # pylint: disable=consider-using-with
-    command = [sys.executable, str(ROOT / "scripts" / "serve.py"), f"--hf_checkpoint={folder}", "--dtype=float32",
-               f"--port={self.port}", *args]
+    source = [f"--workdir={folder}"] if workdir else [f"--hf_checkpoint={folder}", "--dtype=float32"]
+    command = [sys.executable, str(ROOT / "scripts" / "serve.py"), *source, f"--port={self.port}", *args]
     self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env(), cwd=ROOT)
 
   def wait(self, timeout: float = 600, ready: bool = True) -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from absl import flags
+import httpx
 import jax
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from diffusiongemma import build
 from diffusiongemma.build import cli
 from diffusiongemma.build import release
 from diffusiongemma.data import hf_tokenizer
+import serving_helpers
 
 ROOT = pathlib.Path(__file__).parent.parent
 SHIPPED_TEXT = ROOT / "projects" / "text" / "weights" / "distilled"
@@ -99,3 +101,25 @@ def test_a_run_that_fails_before_its_first_save_leaves_no_checkpoints_folder(tmp
   with pytest.raises(ValueError, match="missing.model"):
     dg.training.train(task, tmp_path / "run")
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_shipped_text_model_serves_completions_with_its_own_tokenizer(tmp_path):
+  """The documented command, `serve.py --workdir=projects/text/weights/distilled`, at the smallest grid: a
+  completion continues the prompt (the sampler's own text, decoded by the folder's tokenizer); chat is refused
+  by name (a text tokenizer has no chat tokens)."""
+  server = serving_helpers.ServerProcess(SHIPPED_TEXT, tmp_path / "server.log", "--batch_sizes=1", "--warm_up=0",
+                                         "--max_prompt_tokens=64", "--max_tokens=16", workdir=True)
+  try:
+    server.wait()
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    assert model == "distilled"
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
+        "model": model, "prompt": "def add(a, b):\n", "max_tokens": 16, "temperature": 0, "seed": 0}).json()
+    choice = reply["choices"][0]
+    assert reply["usage"]["completion_tokens"] == 16 and choice["finish_reason"] == "length", reply
+    assert choice["text"].strip() and "\ufffd" not in choice["text"], reply
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+    assert chat.status_code == 400 and "no Gemma 4 chat tokens" in chat.json()["error"]["message"]
+  finally:
+    assert server.stop() == 0, server.log()[-3000:]
