@@ -32,7 +32,8 @@ setuptools.setup(
         "outlines-core==0.2.14",  # regex / JSON schema -> byte DFA for constraints
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.6",  # 3.6: --no-loadscope-reorder (.ci/run)
+                 "chex", "nbclient", "nbformat", "ipykernel", "jsonschema",
                  "pyarrow", "datasets",  # parquet and datasets corpora (tests/test_prepared_data.py)
                  "imageio>=2.38", "av>=14", "lm-eval==0.4.13", "hypothesis",
                  "rfc3339-validator",  # jsonschema checks the date-time and time formats only with it

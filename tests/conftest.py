@@ -14,16 +14,21 @@ import chat_fixtures
 from diffusiongemma.parallel import compilation_cache
 from hf_guard import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks)
 
-# Under pytest-xdist (`.ci/run`: -n 2 --dist=loadgroup) each group runs whole on one worker, so a module's
-# fixtures are built once. A group is a module, except where modules share an expensive session fixture.
+# Under pytest-xdist (`.ci/run`: -n 2 --dist=loadgroup --no-loadscope-reorder) each group runs whole on one
+# worker, so a module's fixtures are built once. A group is a module, except where modules share an expensive
+# session fixture. The marks must be on the items before xdist's own collection hook reads them (tryfirst):
+# without them every test is a group of its own, and module fixtures are built on both workers, and again
+# whenever another module's test ran in between.
 _SHARED_SESSION_FIXTURE = {"test_serving.py": "server", "test_serving_page.py": "server"}
 # Modules of more than about three minutes (a clean clone's `.ci/run` with --durations=0), slowest first: they
-# start first, so that no worker is left alone with one of them at the end of a run (the rest keep their order).
+# start first (--no-loadscope-reorder keeps this order), so that no worker is left alone with one of them at the
+# end of a run (the rest keep their order).
 _SLOW_MODULES = ("test_training.py", "test_quality.py", "test_sudoku.py", "test_sampling.py", "test_multihost.py",
                  "test_parallel.py", "test_text.py", "test_constrained_sampling.py", "test_finetuning.py",
                  "test_benchmarks.py", "test_harness.py", "test_model.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the marks into the node ids
 def pytest_collection_modifyitems(items):
   for item in items:
     item.add_marker(pytest.mark.xdist_group(_SHARED_SESSION_FIXTURE.get(item.path.name, item.path.name)))

@@ -101,6 +101,10 @@ def test_adapt_from_gemma4_in_one_command_trains_both_losses_and_resumes_exactly
   assert saved["data"]["tokenizer_path"] == str(folder / "tokenizer.model")
   losses = [r for r in training.read_metrics(tmp_path / "a") if "train/loss" in r]
   assert len(losses) == 4 and all(r["train/ar_loss"] > 0 and r["train/diffusion_loss"] > 0 for r in losses)
+  sampled = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample.py"), f"--workdir={tmp_path / 'a'}",
+                            "--prompt=def f(", "--max_new_tokens=8"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300, check=False)  # the run as trained: its saved config and tokenizer
+  assert sampled.returncode == 0 and f"{tmp_path / 'a'}/checkpoints step 4" in sampled.stdout, sampled.stderr[-3000:]
 
   shutil.copytree(tmp_path / "a", tmp_path / "b", ignore=shutil.ignore_patterns("tensorboard"))
   shutil.rmtree(tmp_path / "b" / "checkpoints" / "4")

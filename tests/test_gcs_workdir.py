@@ -75,7 +75,7 @@ def test_a_gs_workdir_trains_resumes_exports_and_samples_with_nothing_written_lo
   """scripts/train.py with --workdir=gs://...: stopped by SIGTERM after a checkpoint, resumed, it ends with the
   per-step metrics and parameters of an uninterrupted run on a local folder; scripts/convert.py exports that
   workdir as a transformers folder on gs:// (the same weights, read back by load_hf), scripts/sample.py
-  samples from it, a fine-tuning run starts from it (config.train.init_from=gs://...), and TensorBoard's events
+  samples from the workdir alone (its saved config) and from the exported folder, a fine-tuning run starts from it (config.train.init_from=gs://...), and TensorBoard's events
   are in the bucket. Every command runs in an empty folder, which stays empty: nothing of the workdirs lands on
   the local disk."""
   n = 40
@@ -134,8 +134,10 @@ def test_a_gs_workdir_trains_resumes_exports_and_samples_with_nothing_written_lo
   _, exported = dg.convert.load_hf(copy)
   _assert_same_params(jax.tree.map(np.asarray, params["params"]), exported)
 
-  out = finish(start("sample.py", *flags, f"--workdir={workdir}", "--prompt=def f(", "--max_new_tokens=8"))
+  out = finish(start("sample.py", f"--workdir={workdir}", "--prompt=def f(", "--max_new_tokens=8"))  # as trained
   assert f"weights: {workdir}/checkpoints step {n}" in out
+  out = finish(start("sample.py", f"--hf_checkpoint={copy}", "--prompt=def f(", "--max_new_tokens=8"))
+  assert f"transformers checkpoint {copy}" in out  # the exported folder, with this project's tokenizer
 
   tuned = f"{gcs_bucket}/tuned"  # fine-tuning from the gs:// workdir's weights, into another gs:// workdir
   finish(start("train.py", *flags, "--config.train.num_steps=1", f"--config.train.init_from={workdir}",
