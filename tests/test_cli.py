@@ -21,6 +21,7 @@ from diffusiongemma import build
 from diffusiongemma.build import cli
 from diffusiongemma.build import release
 from diffusiongemma.data import hf_tokenizer
+import chat_fixtures
 import serving_helpers
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -57,11 +58,15 @@ def test_config_takes_a_saved_config_json_and_names_a_mistyped_override(monkeypa
     _parse(monkeypatch, f"--config={tmp_path / 'list.json'}")
 
 
-def test_a_usage_error_and_a_bad_override_are_one_line_without_the_help_text():
-  for args, expected in ((["--prompt=x"], "error: Pass --hf_checkpoint=DIR"),
-                         (["--config=configs/tiny.py", "--config.model.num_layer=2"],
-                          "FATAL Flags parsing error: --config.model.num_layer: configs/tiny.py has no such field")):
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "sample.py"), *args], capture_output=True,
+def test_a_usage_error_a_bad_override_and_a_foreign_tokenizer_are_one_line_without_the_help_text(tmp_path):
+  chat_fixtures.write_tokenizer(tmp_path, vocab_size=5000)  # a chat tokenizer of more ids than the model has
+  for script, args, expected in (
+      ("sample.py", ["--prompt=x"], "error: Pass --hf_checkpoint=DIR"),
+      ("sample.py", ["--config=configs/tiny.py", "--config.model.num_layer=2"],
+       "FATAL Flags parsing error: --config.model.num_layer: configs/tiny.py has no such field"),
+      ("serve.py", [f"--workdir={SHIPPED_TEXT}", f"--tokenizer={tmp_path}"],
+       f"error: The tokenizer {tmp_path}/tokenizer.json has 5000 tokens, more than the model's vocabulary of 4096")):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True,
                             text=True, timeout=120, cwd=ROOT, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
     lines = [line for line in result.stderr.splitlines() if "compilation_cache.py" not in line]
     assert result.returncode == 1 and len(lines) == 2 and lines[0].startswith(expected), result.stderr[-2000:]
