@@ -92,10 +92,8 @@ def _model():
     sampler = build.sampler(config, weights.model_config, **presets.preset_overrides(_PRESET.value))
     if _TOKENIZER.value or (workdir / hf_tokenizer.TOKENIZER_JSON).is_file():
       tokenizer = hf_tokenizer.CheckpointTokenizer(_TOKENIZER.value or workdir)
-      if tokenizer.vocab_size > weights.model_config.vocab_size:  # ids the model cannot read or write
-        raise ValueError(f"The tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
-                         f"model's vocabulary of {weights.model_config.vocab_size}: it is not the tokenizer "
-                         f"{workdir} was trained with.")
+      hf_tokenizer.check_fits(tokenizer, weights.model_config.vocab_size, "model.vocab_size",
+                              f"it is not the tokenizer {workdir} was trained with")
     else:
       tokenizer = build.tokenizer(config, workdir)
     return (sampler, weights.variables, tokenizer, build.max_new_tokens(config), False, workdir.resolve().name)

@@ -339,7 +339,7 @@ def test_bad_inputs_fail_clearly_and_write_nothing(corpus, tmp_path, monkeypatch
   fails("nan_policy", **{"train.nan_policy": "ignore"})
   fails("compute_dtype", **{"train.compute_dtype": "int8"})
   fails("num_canvases must be >= 1", **{"data.num_canvases": 0})
-  fails("more than model.vocab_size", **{"model.vocab_size": 300})
+  fails(r"vocabulary of 300 \(model.vocab_size\)", **{"model.vocab_size": 300})
   monkeypatch.setattr(build_tasks.jax, "device_count", lambda: 8)
   fails(r"batch_size=4 is not divisible by the 8 batch shards of the mesh \(data\*fsdp\*expert", **{})
   monkeypatch.undo()

@@ -208,9 +208,7 @@ def tokenizer(config, workdir, *, train_if_missing: bool = False):
   else:  # process 0 trains workdir/tokenizer.model if missing; then every process reads it
     _main_process_first("tokenizer", lambda: load(True))
     tok = load(False)
-  if tok.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"The tokenizer has {tok.vocab_size} pieces, more than "
-                     f"model.vocab_size={model_cfg.vocab_size}.")
+  hf_tokenizer.check_fits(tok, model_cfg.vocab_size, "model.vocab_size")
   if mask is not None and mask < tok.vocab_size:
     raise ValueError(f"The mask token {mask} of masked noise is a piece of the tokenizer "
                      f"({tok.vocab_size} pieces): set config.diffusion.mask_token_id to an id "

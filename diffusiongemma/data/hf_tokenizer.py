@@ -56,6 +56,15 @@ class TokenizerLike(Protocol):
   def decode(self, ids: Iterable[int]) -> str: ...
 
 
+def check_fits(tokenizer: TokenizerLike, vocab_size: int, source: str, hint: str = "") -> None:
+  """Refuses a tokenizer with ids that a model of `vocab_size` tokens cannot read or write (it would sample
+  empty or wrong text). `source` names where `vocab_size` comes from; `hint` ends the message."""
+  if tokenizer.vocab_size > vocab_size:
+    name = getattr(tokenizer, "path", None)
+    raise ValueError(f"The tokenizer{f' {name}' if name else ''} has {tokenizer.vocab_size} tokens, more than the "
+                     f"model's vocabulary of {vocab_size} ({source}){f': {hint}' if hint else ''}.")
+
+
 class CheckpointTokenizer:
   """The tokenizer of a transformers checkpoint folder: `tokenizer.json`, else `tokenizer.model`.
 

@@ -63,9 +63,7 @@ def load(folder, *, preset: str = "default", dtype: str | None = "bfloat16", sha
   config_file = path / "config.json"
   if _files.present(config_file):
     cfg = convert.config_from_hf(_files.read_json(config_file), source=config_file, **overrides)
-    if tokenizer.vocab_size > cfg.vocab_size:
-      raise ValueError(f"The tokenizer {tokenizer.path} has {tokenizer.vocab_size} tokens, more than the "
-                       f"model's vocabulary of {cfg.vocab_size} (config.json).")
+    hf_tokenizer.check_fits(tokenizer, cfg.vocab_size, "config.json")
   if isinstance(shardings, str):
     if shardings != "local":
       raise ValueError(f"shardings={shardings!r}: use 'local', None, or load_hf's shardings argument.")

@@ -224,6 +224,7 @@ def train(task: Task, workdir) -> TrainState:
   workdir.mkdir(parents=True, exist_ok=True)
   checkpointer = ckpt_lib.Checkpointer(workdir, max_to_keep=tc.keep_checkpoints,
                                        async_save=tc.async_checkpointing)
+  failed = False
   try:
     start_step = checkpointer.check_config(setup.config_json, task.description_defaults)
     train_ds = task.datasets("train")
@@ -253,12 +254,12 @@ def train(task: Task, workdir) -> TrainState:
     return _loop(setup, checkpointer, state, train_iter, val_ds, accumulator, elapsed,
                  fresh=start_step is None, started=started)
   except BaseException:
-    checkpointer.wait()
-    if parallel.is_main_process():
-      checkpointer.discard_if_empty()
+    failed = True
     raise
   finally:
     checkpointer.wait()
+    if failed and parallel.is_main_process():
+      checkpointer.discard_if_empty()
     checkpointer.close()
 
 
