@@ -12,7 +12,7 @@ import os
 import pathlib
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np

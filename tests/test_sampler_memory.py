@@ -60,9 +60,9 @@ print(json.dumps({"baseline_gib": baseline, "peak_gib": peak_gib(), "first_call_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, chunk", [("native", 1024), ("gpu", 32_768)])
-def test_generation_at_the_released_vocabulary_stays_small(backend, chunk):
+def test_generation_at_the_released_vocabulary_stays_small(backend, chunk, optimized_env):
   result = subprocess.run([sys.executable, "-c", _SCRIPT, backend], capture_output=True, text=True,
-                          timeout=1200, cwd=ROOT, check=False)
+                          timeout=1200, cwd=ROOT, check=False, env=optimized_env)
   assert result.returncode == 0, result.stderr[-3000:]
   measured = json.loads(result.stdout.strip().splitlines()[-1])
   print(f"peak resident memory {measured['peak_gib']:.2f} GiB (after building the parameters "
