@@ -78,10 +78,10 @@ MUTATIONS = (
              "rules.noise.initial_fixed(canvas)",
              ("tests/test_constrained_sampling.py::test_infilling_holds_the_given_positions_in_every_step",
               "tests/test_sudoku.py::test_solve_counts_passes_and_checks_solutions")),
-    Mutation("LoRA merge writing into the base's tree",
-             "diffusiongemma/training/lora.py",
-             "merged = jax.tree.map(lambda x: x, tree)  # a fresh container: the input is not mutated",
-             "merged = tree",
+    Mutation("LoRA merge without its alpha / rank scale",  # was "writing into the base's tree": an equivalent
+             "diffusiongemma/training/lora.py",              # mutant since merge's nn.unbox returns fresh containers
+             "update = config.scale * delta(layout, adapter[\"lora_a\"], adapter[\"lora_b\"])",
+             "update = delta(layout, adapter[\"lora_a\"], adapter[\"lora_b\"])",
              ("tests/test_finetuning.py::test_lora_training_freezes_the_base_and_optimizes_only_adapters",
               "tests/test_finetuning.py::test_merged_model_logits")),
     Mutation("held Sudoku clues noised in the loss",

@@ -28,7 +28,7 @@ def _tiny_model(vocab=16, canvas=81, **changes):
 def _init(model, seed=0):
   prompt = jnp.zeros((1, 4), jnp.int32)
   canvas = jnp.zeros((1, model.config.canvas_length), jnp.int32)
-  return nn.unbox(model.init(jax.random.key(seed), prompt, canvas))
+  return nn.unbox(jax.jit(model.init)(jax.random.key(seed), prompt, canvas))
 
 
 def _batch(n=4, canvas=81, seed=0):
@@ -110,7 +110,7 @@ def test_prompt_positions_contribute_nothing_to_the_diffusion_loss(noise):
       model.config.vocab_size)
   config = loss_lib.LossConfig(noise=noise_fn, self_conditioning_prob=0.0, ar_loss_weight=0.0)
   rng = jax.random.key(1)
-  loss, _ = loss_lib.diffusion_loss(model, params, batch, rng, config, num_canvases=2)
+  loss, _ = jax.jit(lambda p: loss_lib.diffusion_loss(model, p, batch, rng, config, num_canvases=2))(params)
 
   # The same loss by hand: clean prompt in the cache, the one response canvas noised, CE on it only.
   k_t, k_noise, _, _ = jax.random.split(rng, 4)
@@ -120,9 +120,10 @@ def test_prompt_positions_contribute_nothing_to_the_diffusion_loss(noise):
   noisy, corrupted = noise_fn.corrupt(k_noise, clean, t[..., None])
   weights = noise_fn.loss_weights(corrupted, t[..., None])
   total = 0.0
+  encode = jax.jit(lambda tokens: model.apply(params, tokens, method=model.encode)[1])
+  denoise = jax.jit(lambda canvas, cache: model.apply(params, canvas, cache, method=model.denoise))
   for b in range(2):
-    _, cache = model.apply(params, tokens[b:b + 1, :int(start[b])], method=model.encode)
-    logits = model.apply(params, noisy[b:b + 1, 0], cache, method=model.denoise)
+    logits = denoise(noisy[b:b + 1, 0], encode(tokens[b:b + 1, :int(start[b])]))
     ce = optax.softmax_cross_entropy_with_integer_labels(noise_fn.prepare_logits(logits), clean[b:b + 1, 0])
     total += (weights[b, 0] * ce[0]).mean()
   np.testing.assert_allclose(loss, total / 2, rtol=2e-5)
@@ -132,11 +133,11 @@ def test_prompt_positions_contribute_nothing_to_the_diffusion_loss(noise):
     return loss_lib.diffusion_loss(_LogitTap(model, delta), params, batch, rng, config, num_canvases=2)[0]
 
   delta = jnp.zeros(tokens.shape + (model.config.vocab_size,))
-  assert not np.asarray(jax.grad(tapped)(delta)).any()
+  assert not np.asarray(jax.jit(jax.grad(tapped))(delta)).any()
   # With the AR loss on the response only, the logits predicting prompt tokens still get none, and
   # nothing past a row's canvases (padding) gets any.
   config = config.replace(ar_loss_weight=1.0, ar_loss_on_prompt=False)
-  grad = np.abs(np.asarray(jax.grad(tapped)(delta))).sum(-1)  # [B, L]
+  grad = np.abs(np.asarray(jax.jit(jax.grad(tapped))(delta))).sum(-1)  # [B, L]
   for b in range(2):
     p = int(start[b])
     assert not grad[b, :p - 1].any()  # logits at i predict token i + 1: the prompt's own targets
@@ -151,13 +152,14 @@ def test_per_row_canvases_and_padding_do_not_change_the_loss():
   config = loss_lib.LossConfig(noise=dg.diffusion.MaskedNoise(model.config.vocab_size),
                                self_conditioning_prob=0.5, all_canvases=True)
   fn = lambda p, b: loss_lib.diffusion_loss(model, p, b, jax.random.key(2), config, num_canvases=2)
-  (loss, metrics), grads = jax.value_and_grad(fn, has_aux=True)(params, batch)
+  step = jax.jit(jax.value_and_grad(fn, has_aux=True))
+  (loss, metrics), grads = step(params, batch)
   changed = dict(batch)
   tokens = np.asarray(batch["tokens"]).copy()
   for b in range(2):  # scribble over the unused second canvas slot and the padding
     tokens[b, int(batch["prompt_length"][b]) + 8:] = 7
   changed["tokens"] = jnp.asarray(tokens)
-  (loss2, _), grads2 = jax.value_and_grad(fn, has_aux=True)(params, changed)
+  (loss2, _), grads2 = step(params, changed)
   np.testing.assert_allclose(loss2, loss, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads, grads2)
   assert metrics["corrupted_fraction"] > 0
@@ -214,9 +216,10 @@ def test_merged_model_logits():
   adapters = lora.init_adapters(params, LORA, jax.random.key(1))
   prompt = jnp.asarray([[2, 5, 6, 7, 8, 9, 10]])
   canvas = jnp.full((1, 81), 4, jnp.int32)
-  base_logits = model.apply(params, prompt, canvas)
+  logits = jax.jit(lambda variables: model.apply(variables, prompt, canvas))  # one program for the three
+  base_logits = logits(params)
   # B = 0 at init: the merged model is the base model, exactly.
-  np.testing.assert_array_equal(model.apply(lora.merge(params, adapters, LORA), prompt, canvas), base_logits)
+  np.testing.assert_array_equal(logits(lora.merge(params, adapters, LORA)), base_logits)
   # With B != 0, the merged model equals the base with each W replaced by W + scale A B, computed
   # here by reshaping the factors to matrices (independently of lora.delta's einsums).
   adapters = jax.tree.map(lambda x: x + 0.3, adapters)
@@ -233,8 +236,9 @@ def test_merged_model_logits():
     b = np.asarray(adapter["lora_b"]).reshape(w.shape[:lead] + (LORA.rank, -1))
     update = (a @ b).reshape(w.shape)
     _put(expected["params"], path, np.transpose(w + LORA.scale * update, np.argsort([axes.index(c) for c in order])))
-  merged_logits = model.apply(lora.merge(params, adapters, LORA), prompt, canvas)
-  np.testing.assert_allclose(merged_logits, model.apply(expected, prompt, canvas), rtol=1e-4, atol=1e-4)
+  merged_logits = logits(lora.merge(params, adapters, LORA))
+  np.testing.assert_allclose(merged_logits, logits(expected), rtol=1e-4, atol=1e-4)
+  np.testing.assert_array_equal(logits(params), base_logits)  # merging left the base as it was
   assert np.abs(np.asarray(merged_logits - base_logits)).max() > 1e-3
 
 
@@ -269,18 +273,18 @@ def test_lora_training_freezes_the_base_and_optimizes_only_adapters(tmp_path):
   adapters0 = jax.tree.map(np.asarray, state.params)
   step = lora.make_train_step(model, optimizer, loss_cfg, LORA, num_canvases=1)
   batch = _batch()
-  fixed_loss = lambda adapters: float(loss_lib.diffusion_loss(
+  fixed_loss = jax.jit(lambda adapters: loss_lib.diffusion_loss(
       model, lora.merge(base, adapters, LORA), batch, jax.random.key(9), loss_cfg, num_canvases=1)[0])
   before = fixed_loss(state.params)
   for _ in range(4):
     state, _ = step(state, batch, base)
-  # The base: bit-identical.
-  bits = lambda x: np.asarray(x).reshape(-1).view(np.uint8)
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(bits(a), bits(b)), base, base_copy)
   # The adapters moved (B away from zero), the loss went down on this batch.
   assert any(np.abs(np.asarray(x) - y).max() > 0 for x, y in
              zip(jax.tree.leaves(state.params), jax.tree.leaves(adapters0)))
   assert fixed_loss(state.params) < before
+  # The base, after training and merging: bit-identical.
+  bits = lambda x: np.asarray(x).reshape(-1).view(np.uint8)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(bits(a), bits(b)), base, base_copy)
   # The optimizer state: the adapters' moments and scalars, nothing of the base's size.
   adapter_shapes = sorted(x.shape for x in jax.tree.leaves(state.params))
   moment_shapes = sorted(x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim)
@@ -327,7 +331,7 @@ def test_given_positions_are_held_clean_and_never_targets(noise, weighting):
   config = loss_lib.LossConfig(noise=noise_fn, self_conditioning_prob=0.0, ar_loss_weight=0.0, eps=0.3,
                                loss_weighting=weighting)
   rng = jax.random.key(4)
-  loss, metrics = loss_lib.diffusion_loss(model, params, batch, rng, config, num_canvases=1)
+  loss, metrics = jax.jit(lambda p: loss_lib.diffusion_loss(model, p, batch, rng, config, num_canvases=1))(params)
 
   k_t, k_noise, _, _ = jax.random.split(rng, 4)
   clean = batch["tokens"][:, 6:14][:, None]  # [B, 1, C]
@@ -339,8 +343,9 @@ def test_given_positions_are_held_clean_and_never_targets(noise, weighting):
   weights = noise_fn.loss_weights(corrupted & ~held, t[..., None])
   if weighting == "flat":  # masked: every masked token alike, no 1/t
     weights = (corrupted & ~held).astype(jnp.float32)
-  _, cache = model.apply(params, batch["tokens"][:, :6], method=model.encode)
-  logits = noise_fn.prepare_logits(model.apply(params, noisy[:, 0], cache, method=model.denoise))
+  logits = jax.jit(lambda tokens, canvas: model.apply(
+      params, canvas, model.apply(params, tokens, method=model.encode)[1], method=model.denoise))
+  logits = noise_fn.prepare_logits(logits(batch["tokens"][:, :6], noisy[:, 0]))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, clean[:, 0])
   free = ~held[:, 0]
   np.testing.assert_allclose(loss, (weights[:, 0] * ce * free).sum() / free.sum(), rtol=2e-5)
