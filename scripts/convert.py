@@ -11,10 +11,11 @@ r"""Converts weights between transformers folders (DiffusionGemma, Gemma 4) and 
   # orbax params checkpoint -> transformers folder
   python scripts/convert.py --from_orbax=/tmp/dg_params --to_hf=/tmp/dg_hf
 
-The model config of an orbax or workdir source is the one saved next to it (`model_config.json`, or the
-`model` section of `workdir/config.json`); `--config` (a configs/*.py file, its `config.model`) overrides
-it, e.g. for a workdir whose config.json is gone. Only parameters are read from a training checkpoint
-(`training.load_params`): the optimizer state is left behind. `--vision_from` copies the vision tower
+The model config of an orbax source is the one saved next to it (`model_config.json`); `--config` (a
+configs/*.py file, its `config.model`) overrides it. A workdir is read as trained, from its `config.json` (a
+LoRA run's adapters merged into the weights they adapt); a `--config` beside it must match it, or stands in
+for a config.json that is gone. Only parameters are read from a training checkpoint: the optimizer state is
+left behind. `--vision_from` copies the vision tower
 of an original checkpoint into the exported folder (otherwise transformers initialises a placeholder).
 `--architecture` (with --to_hf): `DiffusionGemmaForBlockDiffusion` (the default, the whole model),
 `Gemma4ForCausalLM` (the encoder alone) or `Gemma4ForConditionalGeneration` (the encoder with its vision tower).
@@ -71,12 +72,10 @@ def main(argv):
   config = _CONFIG.value
   if source == "--from_hf":
     cfg, variables = convert.load_hf(source_path, dtype=_DTYPE.value)
-  elif source == "--from_workdir":
-    config = config or build.workdir_config(source_path)
-    if config is None:
-      raise FileNotFoundError(f"{source_path} has no config.json to read the model config from: pass --config.")
-    cfg = build.model_config(config)
-    variables, _ = training.load_params(source_path, step=_STEP.value)
+  elif source == "--from_workdir":  # the run as trained (a LoRA run's adapters merged); a --config must match it
+    weights = build.load(build.run_config(source_path, config), workdir=source_path, quantize="none",
+                         step=_STEP.value)
+    cfg, variables = weights.model_config, weights.variables
   else:
     cfg, variables = orbax.load_orbax(source_path, build.model_config(config) if config else None)
   convert.save_hf(cfg, variables, target_path, dtype=_DTYPE.value, vision_from=_VISION_FROM.value,

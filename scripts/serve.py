@@ -55,8 +55,9 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Default reply length, and t
                                    "grid; 0: the checkpoint's, else 256.")
 _MAX_TOKENS_LIMIT = flags.DEFINE_integer("max_tokens_limit", 4096, "The most tokens a request may ask for "
                                          "(beyond --max_tokens, programs compile on demand).")
-_MAX_PROMPT_TOKENS = flags.DEFINE_integer("max_prompt_tokens", 1024, "The longest prompt served, and the longest "
-                                          "prompt bucket of the compiled grid; 0: what the context leaves.")
+_MAX_PROMPT_TOKENS = flags.DEFINE_integer("max_prompt_tokens", 0, "The longest prompt served, and the longest "
+                                          "prompt bucket of the compiled grid; 0: the longest bucket up to 1024 "
+                                          "that the model's context holds beside --max_tokens.")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "4", "16"], "Compiled batch sizes (the largest is the "
                                  "most requests per batch).")
 _MAX_PADDING = flags.DEFINE_float("max_padding", 4.0, "A batch joins requests, and runs on a compiled program, "

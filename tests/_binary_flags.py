@@ -12,7 +12,7 @@ import sys
 from absl import flags
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_LIBRARIES = ("absl", "grain", "orbax", "jax", "etils", "lm_eval")
+_LIBRARIES = ("absl", "grain", "array_record", "orbax", "jax", "etils", "lm_eval")
 
 
 def _import(binary: str):
@@ -20,6 +20,7 @@ def _import(binary: str):
     path = ROOT / binary
     spec = importlib.util.spec_from_file_location("_doc_binary_" + path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import would (dataclasses look their module up there)
     spec.loader.exec_module(module)  # its `if __name__ == "__main__"` part does not run
   else:
     importlib.import_module(binary)

@@ -2,19 +2,21 @@
 
 `python _sharded_forward.py` checks sharded init and forward on three meshes; with a transformers
 checkpoint folder as argument it checks the streaming sharded load instead; with `train`, one train step
-of configs/tiny.py on two meshes against one device.
+of configs/tiny.py on two meshes against one device; `memory [OUT.json]` measures the training plan against
+XLA's allocation (docs/scale.md).
 """
 
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 import tracemalloc
 
-# Compiling dominates these checks (a few calls each): XLA's backend at -O0 compiles the train step in two
-# thirds of the time; one device and the meshes are compiled alike, so the comparison is unchanged.
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+import device_env  # pylint: disable=wrong-import-position  (tests/, this script's folder)
+
+os.environ.update(device_env.with_devices(8))  # with the suite's -O0 (tests/conftest.py) when a test runs it
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
@@ -23,7 +25,8 @@ import numpy as np
 import diffusiongemma as dg
 from diffusiongemma import parallel
 from diffusiongemma import training
-from diffusiongemma.build.config import load_config_file
+from diffusiongemma.build import plan as plan_lib
+from diffusiongemma.build.config import load_config_file, to_json
 from diffusiongemma.training import checkpoint as ckpt_lib
 from diffusiongemma.training import loop
 from diffusiongemma.training import state as state_lib
@@ -182,9 +185,65 @@ def train():
   print("OK")
 
 
+# The scaled-down configs the training plan is measured on: 8 devices (fsdp=4, expert=2), 4 layers, batch 16, a
+# 64-token prompt and two 16-token canvases; float32 with remat, and bfloat16 compute and first moment without
+# remat over 2 micro-batches.
+MEMORY_CONFIGS = {
+    "float32, remat": {"model.remat": True},
+    "bfloat16 compute and mu, no remat, 2 micro-batches": {
+        "model.remat": False, "train.compute_dtype": "bfloat16", "train.mu_dtype": "bfloat16",
+        "train.grad_accum_steps": 2},
+}
+
+
+def memory(out: str | None = None):
+  """A measurement (docs/scale.md), not a check: the training plan of `build.plan.config_plan` against what XLA
+  allocates per device for the trainer's own compiled step (lowered from shapes; nothing runs): arguments +
+  outputs - donated aliases + temporaries. Prints one JSON line per config and writes them to `out`."""
+  assert jax.device_count() == 8, jax.devices()
+  rows = []
+  for name, overrides in MEMORY_CONFIGS.items():
+    config = load_config_file(ROOT / "configs" / "tiny.py")
+    config.model.update(num_layers=4, hidden_size=128, vocab_size=2048, num_experts=8, top_k=2, canvas_length=16,
+                        intermediate_size=256, moe_intermediate_size=128)
+    config.data.update(prompt_length=64, num_canvases=2)
+    config.train.batch_size = 16
+    config.mesh.update(data=1, fsdp=4, expert=2, tensor=1)
+    for key, value in overrides.items():
+      section, field = key.split(".")
+      config[section][field] = value
+    with tempfile.TemporaryDirectory() as workdir:
+      setup = loop._Setup(dg.build.train_task(config, workdir), workdir)  # pylint: disable=protected-access
+    programs = setup.programs
+    state = parallel.abstract_with_sharding(programs.abstract_state, programs.state_shardings)
+    length = config.data.prompt_length + config.data.num_canvases * config.model.canvas_length
+    shaped = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=setup.batch_sharding)
+    batch = {"tokens": shaped(config.train.batch_size, length), "prompt_length": shaped(config.train.batch_size)}
+    with jax.set_mesh(setup.mesh):
+      stats = programs.train_step.jitted.lower(state, batch).compile().memory_analysis()
+    xla = (stats.argument_size_in_bytes + stats.output_size_in_bytes - stats.alias_size_in_bytes
+           + stats.temp_size_in_bytes)
+    planned = plan_lib.config_plan(config, parallel.mesh_shape(config.mesh, 8), training=True)
+    rows.append({"config": name, "overrides": overrides, "settings": to_json(config),
+                 "plan_bytes": planned["total"], "xla_bytes": xla, "plan_over_xla": planned["total"] / xla,
+                 "plan": planned, "xla": {k: getattr(stats, k) for k in dir(stats) if k.endswith("_in_bytes")}})
+    print(json.dumps({k: rows[-1][k] for k in ("config", "plan_bytes", "xla_bytes", "plan_over_xla", "plan", "xla")}))
+  if out:
+    pathlib.Path(out).write_text(json.dumps({"command": f"python tests/_sharded_forward.py memory {out}",
+                                             "commit": _commit(), "xla_flags": os.environ["XLA_FLAGS"],
+                                             "jax": jax.__version__, "runs": rows}, indent=1) + "\n")
+
+
+def _commit() -> str:
+  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                        text=True).stdout.strip()
+
+
 if __name__ == "__main__":
   if sys.argv[1:] == ["train"]:
     train()
+  elif sys.argv[1:2] == ["memory"]:
+    memory(*sys.argv[2:3])
   elif len(sys.argv) > 1:
     load(sys.argv[1])
   else:

@@ -12,7 +12,9 @@ import os
 import pathlib
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+import device_env  # pylint: disable=wrong-import-position  (tests/, this script's folder)
+
+os.environ.update(device_env.with_devices(2))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np

@@ -8,8 +8,9 @@ For each mutation: copy the repository's files (tracked and untracked, not ignor
 replace the one line, run the tests that guard it there (`python -m pytest -x`, with the copy first on
 PYTHONPATH) and record whether they fail. Before that, all the tests run once on an unmutated copy: a
 mutation whose tests do not all pass without it is NOT RUN (it could not be caught meaningfully), one
-whose line is no longer found exactly once is STALE (the code moved: update the list). Prints a Markdown table; exits 1 if any
-mutation is missed or stale. Run by hand before a release, not in CI (docs/testing.md has the last table).
+whose line is no longer found exactly once is STALE (the code moved: update the list). Prints a Markdown table;
+exits 1 if any mutation is missed or stale. Run by hand before a release, not in CI (docs/performance.md, "The
+mutation check", has the last run).
 """
 
 from __future__ import annotations
@@ -194,6 +195,27 @@ MUTATIONS = (
              "    except (KeyError, AttributeError) as error:",
              "    except ZeroDivisionError as error:",
              ("tests/test_cli.py::test_config_takes_a_saved_config_json_and_names_a_mistyped_override",)),
+    Mutation("a bug inside a config file's get_config reported as an override naming no field",
+             "diffusiongemma/build/cli.py",
+             "        except (AttributeError, KeyError, NameError, ImportError, SyntaxError) as error:",
+             "        except ZeroDivisionError as error:",
+             ("tests/test_cli.py::test_config_takes_a_saved_config_json_and_names_a_mistyped_override",)),
+    Mutation("convert.py exporting a LoRA workdir's checkpoint without merging its adapters",
+             "scripts/convert.py",
+             "    cfg, variables = weights.model_config, weights.variables",
+             "    cfg, variables = weights.model_config, training.load_params(source_path)[0]",
+             ("tests/test_adapt.py::test_adapt_with_lora_keeps_the_gemma4_weights_frozen",)),
+    Mutation("the training plan keeping Adam's first moment in the master dtype whatever mu_dtype says",
+             "diffusiongemma/build/plan.py",
+             '    plan["optimizer_state"] = elements * (jnp.dtype(mu_dtype or cfg.param_dtype).itemsize + master)',
+             '    plan["optimizer_state"] = elements * 2 * master',
+             ("tests/test_parallel.py::test_the_training_plan_reads_the_precision_remat_accumulation_and_objective_"
+              "of_the_config",)),
+    Mutation("the server's default prompt limit a flat 1024 whatever the model's context",
+             "diffusiongemma/serving/engine.py",
+             "             and max_prompt_tokens * PROMPT_BUCKET_GROWTH + reply <= self.config.max_positions):",
+             "             and True):",
+             ("tests/test_serving_engine.py::test_the_default_prompt_limit_fits_the_models_context",)),
     Mutation("a text tokenizer in a checkpoint folder without its own bos/eos/pad",
              "diffusiongemma/data/hf_tokenizer.py",
              "      if token_id is None and name not in configured and (own := self._backend.role_id(name)) is not "

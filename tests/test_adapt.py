@@ -132,6 +132,13 @@ def test_adapt_with_lora_keeps_the_gemma4_weights_frozen(gemma4, tmp_path):
   assert np.abs(q(merged.variables["params"]) - q(base)).max() > 0
   np.testing.assert_array_equal(merged.variables["params"]["embedder"]["input_embedding"],
                                 base["embedder"]["input_embedding"])  # not adapted: the base, as read
+  # scripts/convert.py given the workdir alone exports the run as trained: the merged weights, and a tokenizer.
+  out = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert.py"), f"--from_workdir={tmp_path}",
+                        f"--to_hf={tmp_path / 'hf'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  _, exported = dg.convert.load_hf(tmp_path / "hf", dtype="float32")
+  _assert_same(exported, merged.variables["params"])
+  assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (folder / "tokenizer.model").read_bytes()
 
 
 def test_init_from_a_workdir_and_what_it_refuses(gemma4, tmp_path):

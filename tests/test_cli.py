@@ -53,6 +53,11 @@ def test_config_takes_a_saved_config_json_and_names_a_mistyped_override(monkeypa
     _parse(monkeypatch, "--config=configs/tiny.py", "--config.modle.num_layers=3")
   with pytest.raises(flags.IllegalFlagValueError, match="missing.py does not exist"):
     _parse(monkeypatch, f"--config={tmp_path / 'missing.py'}")
+  # A bug inside get_config is reported as one, with its traceback, not as an override naming no field.
+  (tmp_path / "buggy.py").write_text("import ml_collections\ndef get_config():\n"
+                                     "  return ml_collections.ConfigDict({'a': 1}).b\n")
+  with pytest.raises(flags.IllegalFlagValueError, match=r"(?s)buggy\.py: AttributeError: .*line 3, in get_config"):
+    _parse(monkeypatch, f"--config={tmp_path / 'buggy.py'}", "--config.a=2")
   (tmp_path / "list.json").write_text("[1, 2]")
   with pytest.raises(flags.IllegalFlagValueError, match="list.json holds a JSON array; expected an object"):
     _parse(monkeypatch, f"--config={tmp_path / 'list.json'}")

@@ -13,6 +13,8 @@ import re
 import subprocess
 import sys
 
+import device_env
+
 MESHES = [dict(data=1, fsdp=1, expert=8, tensor=1), dict(data=2, fsdp=1, expert=4, tensor=1),
           dict(data=1, fsdp=2, expert=2, tensor=2)]
 _COLLECTIVE = re.compile(r"= (\(.*?\)|\S+) (all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
@@ -66,9 +68,7 @@ def test_local_grouped_worst_case_routing_equals_dense():
 
 def test_expert_parallel_on_8_devices():
   # Compiling is most of the time here: skip LLVM's costlier passes (the programs are tiny); no result changes.
-  flags = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-           "--xla_llvm_disable_expensive_passes=true")
-  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+  env = device_env.with_devices(8, "--xla_llvm_disable_expensive_passes=true")
   result = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300,
                           check=False, env=env, cwd=pathlib.Path(__file__).parent.parent)
   assert result.returncode == 0, result.stderr[-4000:]

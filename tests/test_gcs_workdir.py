@@ -88,13 +88,12 @@ def test_a_gs_workdir_trains_resumes_exports_and_samples_with_nothing_written_lo
   flags = [f"--config={config_file}", *(f"--config.{k}={v}" for k, v in flags.items())]
   cwd = tmp_path / "cwd"
   cwd.mkdir()
-  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")  # compiles faster; every run has it
 
   def start(script, *args):
     log = tmp_path / f"{script}.{time.monotonic_ns()}.log"
     with open(log, "w", encoding="utf-8") as f:
       process = subprocess.Popen([sys.executable, str(ROOT / "scripts" / script), *args], cwd=cwd, stdout=f,
-                                 stderr=subprocess.STDOUT, env=env)
+                                 stderr=subprocess.STDOUT)
     process.log = log
     return process
 

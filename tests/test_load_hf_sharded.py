@@ -8,17 +8,17 @@ not staging): its peak must stay below the largest shard file plus a 4 MiB margi
 bookkeeping), i.e. the load never holds more than about one shard's worth of tensors on the host.
 """
 
-import os
 import pathlib
 import subprocess
 import sys
+
+import device_env
 
 MARGIN = 4 * 2**20
 
 
 def test_bf16_sharded_load_onto_8_devices(tmp_path):
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+  env = device_env.with_devices(8)
   result = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True,
                           timeout=600, check=False, env=env)
   print(result.stdout)

@@ -6,7 +6,6 @@ compiles, the later ones load it, so each test starts one run alone before start
 
 import json
 import logging
-import os
 import re
 import signal
 import subprocess
@@ -20,12 +19,10 @@ from diffusiongemma import training
 from diffusiongemma.training import loop
 from diffusiongemma.training import stopping
 from test_training import _free_port, _losses, _script_args, _script_flags, _steps_saved, corpus, ROOT  # noqa: F401
+import device_env
 
 SLOW_PROCESS_0 = ROOT / "tests" / "_train_slow_process0.py"
 NO_EVAL = "--config.train.eval_every=0"  # one program fewer to compile
-# Every process but 0 compiles at each start (on CPU its cache key differs from process 0's, which alone writes
-# the cache): compiling with fewer optimisations halves what that costs. Runs compared share the flag.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 
 class _Processes:
@@ -34,7 +31,7 @@ class _Processes:
 
   def __init__(self, corpus, workdir, num_steps, *extra, count=2, script=None):
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}", JAX_PLATFORMS="cpu")
+    env = device_env.with_devices(1)
     args = _script_args(corpus, workdir, num_steps, NO_EVAL, *extra, f"--coordinator_address=localhost:{port}",
                         f"--num_processes={count}")
     if script is not None:
@@ -161,8 +158,7 @@ def test_a_checkpoint_of_8_devices_resumes_resharded_on_4_and_on_1(corpus, tmp_p
 
   def run(devices, mesh, num_steps, *command):
     overrides = {**flags, "train.num_steps": num_steps, **{f"mesh.{a}": n for a, n in mesh.items()}}
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    env = device_env.with_devices(devices)
     if not command:
       command = (str(ROOT / "tests" / "_resume_on_mesh.py"), str(workdir), json.dumps(overrides))
     out = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=600,

@@ -60,6 +60,35 @@ def test_released_model_specs_and_plan():
   assert eight["total"] < 80e9
 
 
+def test_the_training_plan_reads_the_precision_remat_accumulation_and_objective_of_the_config():
+  """`plan.config_plan` of configs/tiny.py as its settings change, part by part: bfloat16 master weights halve
+  parameters, gradients and moments; a bfloat16 first moment takes a quarter off the moments; remat keeps each
+  layer's input only; two micro-batches halve the activations and double the gradients; grading every canvas
+  adds the other canvas's logits (from shapes alone: nothing is compiled)."""
+  def planned(**overrides):
+    config = load_config_file(ROOT / "configs" / "tiny.py")
+    config.mesh.data = 1
+    for key, value in overrides.items():
+      section, field = key.split("__")
+      config[section][field] = value
+    return plan.config_plan(config, dict(data=1, fsdp=1, expert=1, tensor=1), training=True)
+
+  base = planned()
+  assert base["parameters"] == 4 * dg.model.count_parameters(dg.build.model_config(
+      load_config_file(ROOT / "configs" / "tiny.py")))["total"]  # float32 master weights, one device
+  half = planned(train__param_dtype="bfloat16")
+  for key in ("parameters", "gradients", "optimizer_state"):
+    assert half[key] == base[key] / 2, key
+  assert planned(train__mu_dtype="bfloat16")["optimizer_state"] == base["optimizer_state"] * 3 / 4
+  assert planned(model__remat=True)["activations_saved"] < base["activations_saved"] / 4
+  assert planned(train__compute_dtype="bfloat16")["kv_cache"] == base["kv_cache"] / 2
+  accumulated = planned(train__grad_accum_steps=2)
+  assert accumulated["gradients"] == 2 * base["gradients"] and accumulated["logits"] == base["logits"] / 2
+  every = planned(diffusion__all_canvases=True)
+  # the logits of 64 tokens (encoder: logits and gradient) and 16 graded (and self-conditioning: x3); then 32
+  assert every["logits"] == pytest.approx(base["logits"] * (2 * 64 + 3 * 32) / (2 * 64 + 3 * 16))
+
+
 def _run_on_8_devices(*args):
   result = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_forward.py"), *map(str, args)],
                           capture_output=True, text=True, timeout=600, check=False)

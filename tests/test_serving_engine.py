@@ -76,3 +76,18 @@ def test_the_same_request_on_the_same_program_reproduces_and_batches_are_measure
     assert np.array_equal(first, _tokens(engine, [request, other], pair)[0])
     agree += np.array_equal(alone, first)
   print(f"alone (batch 1) vs row 0 of a batch of 2: {agree} of {len(requests)} requests give the same tokens")
+
+
+def test_the_default_prompt_limit_fits_the_models_context(chat_checkpoint):
+  """With no size given, an engine serves the longest prompt bucket up to 1024 that the model's context holds
+  beside the longest reply: on a 512-position context 256 (the default was a flat 1024, and a server over such a
+  checkpoint refused to start without size flags); a limit given that does not fit is refused by name."""
+  loaded = build.pretrained(chat_checkpoint, dtype="float32")
+  short = loaded.sampler.replace(model=loaded.sampler.model.clone(
+      config=loaded.sampler.model.config.replace(max_positions=512)))
+  make = lambda sampler, **sizes: serving.Engine(sampler, loaded.weights.variables, loaded.tokenizer,
+                                                 model_name="tiny", max_tokens=16, **sizes)
+  assert make(short).max_prompt_tokens == 256  # prompt buckets 64, 256, 1024: 1024 + 16 > 512
+  assert make(loaded.sampler).max_prompt_tokens == 1024 < loaded.sampler.model.config.max_positions - 16
+  with pytest.raises(ValueError, match=r"max_prompt_tokens=1024 .* exceed the model's context of 512"):
+    make(short, max_prompt_tokens=1024)

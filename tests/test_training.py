@@ -24,6 +24,7 @@ from diffusiongemma.build.config import load_config_file
 from diffusiongemma.build import tasks as build_tasks
 from diffusiongemma.training import loop
 from diffusiongemma.training import metrics as metrics_lib
+import device_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 STDLIB = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -469,8 +470,7 @@ def test_two_processes_train_together_like_one(corpus, tmp_path):
   and final parameters within 1e-5. Only process 0 writes config.json and metrics.jsonl."""
   n = 3
   port = _free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+  env = device_env.with_devices(1)
   workdir = tmp_path / "two"
   processes = [subprocess.Popen(
       _script_args(corpus, workdir, n, f"--coordinator_address=localhost:{port}", "--num_processes=2",

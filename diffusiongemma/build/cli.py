@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import traceback
 
 from absl import app
 from absl import flags
@@ -46,7 +47,13 @@ class _ConfigParser(config_flags.ConfigFileFlagParser):
     try:
       if not file.endswith(".json"):
         _files.regular_file_size(file, 2**24)  # missing or not a file: one line, not a deferred traceback
-        return super().parse(path)
+        try:
+          return super().parse(path)
+        except (AttributeError, KeyError, NameError, ImportError, SyntaxError) as error:
+          # A bug in the config file, not an override naming no field (which _ConfigFlag reports): config_flags
+          # itself passes TypeError and ValueError on with the traceback, and so do we for these.
+          raise ValueError(f"Error whilst parsing config file {path}: {type(error).__name__}: {error}\n\n"
+                           + traceback.format_exc()) from None
       if colon:
         raise ValueError("a saved config.json takes no ':ARG'")
       config = ml_collections.ConfigDict(_files.read_json(file))

@@ -27,10 +27,10 @@ from diffusiongemma.training import lora
 
 
 def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = False, seed: int = 0,
-         shardings=None, quantize: str | None = None) -> Weights:
-  """The weights to run: a transformers checkpoint folder if given, else the latest checkpoint of the
-  training `workdir` (a LoRA run's adapters merged into its `config.train.init_from` weights), else (only
-  with `random_init`) a random initialisation of `config.model`.
+         shardings=None, quantize: str | None = None, step: int | None = None) -> Weights:
+  """The weights to run: a transformers checkpoint folder if given, else the checkpoint at `step` (default:
+  the latest) of the training `workdir` (a LoRA run's adapters merged into its `config.train.init_from`
+  weights), else (only with `random_init`) a random initialisation of `config.model`.
 
   quantize: 'int8' quantises the matmul weights as they are loaded (`model.quantize`); default
   `config.model.quantize` ('none' without a config).
@@ -45,8 +45,8 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
     raise ValueError("A config is needed to load a workdir checkpoint or to initialise randomly.")
   cfg = models.model_config(config).replace(quantize=quantize)
   if quantize == "none":
-    return _load_float(config, cfg, workdir, random_init, seed, shardings)
-  weights = _load_float(config, cfg.replace(quantize="none"), workdir, random_init, seed, None)
+    return _load_float(config, cfg, workdir, random_init, seed, shardings, step)
+  weights = _load_float(config, cfg.replace(quantize="none"), workdir, random_init, seed, None, step)
   params = quantize_lib.quantize_params(weights.variables["params"], weights.model_config)
   if shardings is not None:
     target = shardings(cfg) if callable(shardings) else shardings
@@ -56,10 +56,13 @@ def load(config=None, *, workdir=None, hf_checkpoint=None, random_init: bool = F
   return Weights(cfg, {**weights.variables, "params": params}, f"{weights.source}, {quantize} weights")
 
 
-def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
+def _load_float(config, cfg, workdir, random_init, seed, shardings, step) -> Weights:
   if workdir is not None and not random_init and release.is_release(workdir):
     check_against_saved(config, workdir)
     _, variables, provenance = release.load(workdir)
+    if step is not None and step != provenance.get("step"):
+      raise ValueError(f"{str(workdir)!r} holds released weights of step {provenance.get('step')} alone; "
+                       f"step={step} is not there.")
     if shardings is not None:
       variables = jax.device_put(variables, shardings(cfg) if callable(shardings) else shardings)
     return Weights(cfg, variables, f"released weights {workdir} (step {provenance.get('step')})")
@@ -67,9 +70,9 @@ def _load_float(config, cfg, workdir, random_init, seed, shardings) -> Weights:
     check_against_saved(config, workdir)
     lora_cfg = tasks.lora_config(config)
     if lora_cfg is None:
-      variables, step = checkpoint.load_params(workdir, shardings=shardings)
+      variables, step = checkpoint.load_params(workdir, step=step, shardings=shardings)
       return Weights(cfg, variables, f"{workdir}/{checkpoint.CHECKPOINT_DIRNAME} step {step}")
-    adapters, step = checkpoint.load_params(workdir)
+    adapters, step = checkpoint.load_params(workdir, step=step)
     base = checkpoint.load_weights(config.train.init_from, shardings=shardings,  # as training read it
                                    expected={"params": transformer.abstract_params(cfg)})
     return Weights(cfg, lora.merge(base, adapters, lora_cfg),

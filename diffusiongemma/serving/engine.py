@@ -46,6 +46,7 @@ from diffusiongemma.serving.requests import Limits, Request
 
 IMAGE_PLACEHOLDER = "<|image|>"
 PROMPT_BUCKET_GROWTH = 4
+DEFAULT_MAX_PROMPT_TOKENS = 1024  # the longest prompt served by default, where the context holds it
 MIN_TEMPERATURE = 0.05  # what temperature 0 means (nearly greedy; the schedule divides by it)
 
 
@@ -108,10 +109,11 @@ class Engine:
 
   sampler, variables, tokenizer: the model to serve; model_name: the name clients ask for;
   max_tokens: the default reply length (the grid's longest reply); max_tokens_limit: the most a request
-  may ask for; max_prompt_tokens: the longest prompt served (default: the longest prompt bucket the
-  context holds beside the longest reply); empty_thought: prefill an empty thought when thinking is off
-  (the checkpoint's template does); batch_sizes: the compiled batch sizes; image_budget: soft tokens per
-  image; max_image_pixels: width x height an image may have; max_messages, max_images: per request.
+  may ask for; max_prompt_tokens: the longest prompt served (default: the longest prompt bucket up to
+  `DEFAULT_MAX_PROMPT_TOKENS` that the context holds beside the longest reply); empty_thought: prefill an
+  empty thought when thinking is off (the checkpoint's template does); batch_sizes: the compiled batch
+  sizes; image_budget: soft tokens per image; max_image_pixels: width x height an image may have;
+  max_messages, max_images: per request.
   """
 
   def __init__(self, sampler: sampler_lib.Sampler, variables, tokenizer, *, model_name: str,
@@ -134,9 +136,10 @@ class Engine:
     if not self.batch_sizes or self.batch_sizes[0] < 1:
       raise ValueError(f"batch_sizes={batch_sizes!r}: positive sizes are needed.")
     reply = self.canvas_bucket(max_tokens) * self.canvas
-    if max_prompt_tokens is None:  # the longest prompt bucket that fits beside the longest reply
+    if max_prompt_tokens is None:  # the longest prompt bucket up to the default that fits beside the reply
       max_prompt_tokens = self.sampler.config.prompt_bucket
-      while max_prompt_tokens * PROMPT_BUCKET_GROWTH + reply <= self.config.max_positions:
+      while (max_prompt_tokens * PROMPT_BUCKET_GROWTH <= DEFAULT_MAX_PROMPT_TOKENS
+             and max_prompt_tokens * PROMPT_BUCKET_GROWTH + reply <= self.config.max_positions):
         max_prompt_tokens *= PROMPT_BUCKET_GROWTH
     self.max_prompt_tokens = max_prompt_tokens
     bucket = self.prompt_bucket(max_prompt_tokens)
