@@ -9,4 +9,5 @@ DEVICE_COUNT = "--xla_force_host_platform_device_count"
 def with_devices(count: int, *extra_flags: str) -> dict[str, str]:
   """os.environ on CPU with `count` simulated devices and `extra_flags` added to XLA_FLAGS."""
   flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT)]
-  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join([*flags, f"{DEVICE_COUNT}={count}", *extra_flags])}
+  flags += [f"{DEVICE_COUNT}={count}", *extra_flags]
+  return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}

@@ -241,8 +241,8 @@ def dataset(config, workdir, split: str, *, shard_index: int | None = None, shar
 
 
 def lora_config(config) -> lora_lib.LoraConfig | None:
-  """`config.train`'s LoRA settings (None: full training)."""
-  rank = config.train.get("lora_rank", 0)
+  """`config.train`'s LoRA settings (None: full training, or a config without a train section)."""
+  rank = config.train.get("lora_rank", 0) if "train" in config else 0
   if not rank:
     return None
   if not (config.train.get("init_from", "") or init_from.source(config)):
