@@ -9,7 +9,6 @@ XLA's allocation (docs/scale.md).
 import json
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import tracemalloc
@@ -24,6 +23,7 @@ import numpy as np
 
 import diffusiongemma as dg
 from diffusiongemma import parallel
+from diffusiongemma import timing
 from diffusiongemma import training
 from diffusiongemma.build import plan as plan_lib
 from diffusiongemma.build.config import load_config_file, to_json
@@ -230,13 +230,8 @@ def memory(out: str | None = None):
     print(json.dumps({k: rows[-1][k] for k in ("config", "plan_bytes", "xla_bytes", "plan_over_xla", "plan", "xla")}))
   if out:
     pathlib.Path(out).write_text(json.dumps({"command": f"python tests/_sharded_forward.py memory {out}",
-                                             "commit": _commit(), "xla_flags": os.environ["XLA_FLAGS"],
-                                             "jax": jax.__version__, "runs": rows}, indent=1) + "\n")
-
-
-def _commit() -> str:
-  return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                        text=True).stdout.strip()
+                                             "xla_flags": os.environ["XLA_FLAGS"], **timing.provenance(ROOT),
+                                             "runs": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
