@@ -208,7 +208,7 @@ def test_step_accounting_splits_the_wall_time_and_a_profile_covers_its_steps(cor
   perf = [r for r in rows if "perf/step_s" in r]
   assert [r["step"] for r in perf] == [5, 10, 15, 20]
   for r in perf:
-    assert 0.19 <= r["perf/data_wait_s"] <= 0.25, r
+    assert r["perf/data_wait_s"] >= 0.19, r  # no upper bound: the batch's own time grows with the load
     assert r["perf/step_s"] < r["perf/data_wait_s"], r  # the sleep is not in the step
     assert r["perf/model_tflops_per_step"] == pytest.approx(loop.step_flops(task) / 1e12)
     seconds = r["perf/step_s"] + r["perf/data_wait_s"]
