@@ -81,13 +81,24 @@ def test_the_same_request_on_the_same_program_reproduces_and_batches_are_measure
 def test_the_default_prompt_limit_fits_the_models_context(chat_checkpoint):
   """With no size given, an engine serves the longest prompt bucket up to 1024 that the model's context holds
   beside the longest reply: on a 512-position context 256 (the default was a flat 1024, and a server over such a
-  checkpoint refused to start without size flags); a limit given that does not fit is refused by name."""
+  checkpoint refused to start without size flags), and the default reply (256 or the checkpoint's) halves in
+  whole canvases until it fits beside the shortest prompt bucket; a size given that does not fit is refused by
+  name."""
   loaded = build.pretrained(chat_checkpoint, dtype="float32")
   short = loaded.sampler.replace(model=loaded.sampler.model.clone(
       config=loaded.sampler.model.config.replace(max_positions=512)))
   make = lambda sampler, **sizes: serving.Engine(sampler, loaded.weights.variables, loaded.tokenizer,
-                                                 model_name="tiny", max_tokens=16, **sizes)
+                                                 model_name="tiny", **{"max_tokens": 16, **sizes})
   assert make(short).max_prompt_tokens == 256  # prompt buckets 64, 256, 1024: 1024 + 16 > 512
   assert make(loaded.sampler).max_prompt_tokens == 1024 < loaded.sampler.model.config.max_positions - 16
   with pytest.raises(ValueError, match=r"max_prompt_tokens=1024 .* exceed the model's context of 512"):
     make(short, max_prompt_tokens=1024)
+  # The default reply, in whole canvases, halves until it fits beside the shortest prompt bucket (64).
+  tiny = loaded.sampler.replace(model=loaded.sampler.model.clone(
+      config=loaded.sampler.model.config.replace(max_positions=256)))
+  reply = lambda sampler, default: serving.Engine(sampler, loaded.weights.variables, loaded.tokenizer,
+                                                  model_name="tiny", default_max_tokens=default).max_tokens
+  assert reply(loaded.sampler, 256) == 256 and reply(tiny, 100) == 100  # as given where it fits
+  assert reply(tiny, 256) == 128  # 256 + 64 > 256
+  with pytest.raises(ValueError, match=r"max_tokens=256 \(256 positions\) exceed the model's context of 256"):
+    make(tiny, max_tokens=256)  # given: refused by name

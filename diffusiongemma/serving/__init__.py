@@ -12,8 +12,8 @@ it denoises, JSON-schema and regex constraints, and a web page that shows it (`s
 """
 
 from diffusiongemma.serving.app import create_app
-from diffusiongemma.serving.engine import Engine
+from diffusiongemma.serving.engine import DEFAULT_MAX_TOKENS, Engine
 from diffusiongemma.serving.errors import APIError
 from diffusiongemma.serving.scheduler import Scheduler
 
-__all__ = ["APIError", "Engine", "Scheduler", "create_app"]
+__all__ = ["APIError", "DEFAULT_MAX_TOKENS", "Engine", "Scheduler", "create_app"]

@@ -47,6 +47,7 @@ from diffusiongemma.serving.requests import Limits, Request
 IMAGE_PLACEHOLDER = "<|image|>"
 PROMPT_BUCKET_GROWTH = 4
 DEFAULT_MAX_PROMPT_TOKENS = 1024  # the longest prompt served by default, where the context holds it
+DEFAULT_MAX_TOKENS = 256  # the default reply length, where the context holds it
 MIN_TEMPERATURE = 0.05  # what temperature 0 means (nearly greedy; the schedule divides by it)
 
 
@@ -108,7 +109,8 @@ class Engine:
   """The model, its tokenizer and the batching geometry (see the module docstring).
 
   sampler, variables, tokenizer: the model to serve; model_name: the name clients ask for;
-  max_tokens: the default reply length (the grid's longest reply); max_tokens_limit: the most a request
+  max_tokens: the default reply length (the grid's longest reply; None: `default_max_tokens`, halved while
+  the context cannot hold it beside the shortest prompt bucket); max_tokens_limit: the most a request
   may ask for; max_prompt_tokens: the longest prompt served (default: the longest prompt bucket up to
   `DEFAULT_MAX_PROMPT_TOKENS` that the context holds beside the longest reply); empty_thought: prefill an
   empty thought when thinking is off (the checkpoint's template does); batch_sizes: the compiled batch
@@ -117,7 +119,8 @@ class Engine:
   """
 
   def __init__(self, sampler: sampler_lib.Sampler, variables, tokenizer, *, model_name: str,
-               max_tokens: int = 256, max_tokens_limit: int = 4096, max_prompt_tokens: int | None = None,
+               max_tokens: int | None = None, max_tokens_limit: int = 4096, max_prompt_tokens: int | None = None,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS,
                empty_thought: bool = False, batch_sizes: Sequence[int] = (1, 4, 16), image_budget: int = 280,
                max_image_pixels: int = 4096 * 4096, max_messages: int = 1024, max_images: int = 8):
     self.tokenizer, self.variables, self.model_name = tokenizer, variables, model_name
@@ -130,6 +133,11 @@ class Engine:
     self.stop_ids = tuple(t for t in self.sampler.stop_tokens if not self.chat or t in special)
     self.config = self.sampler.model.config
     self.canvas = self.config.canvas_length
+    if max_tokens is None:  # the default, in whole canvases, shrunk to what the context holds
+      max_tokens = default_max_tokens
+      while max_tokens > self.canvas and (self.canvas_bucket(max_tokens) * self.canvas
+                                          + self.sampler.config.prompt_bucket > self.config.max_positions):
+        max_tokens = (self.canvas_bucket(max_tokens) // 2) * self.canvas
     self.max_tokens, self.empty_thought, self.image_budget = max_tokens, empty_thought, image_budget
     self.max_tokens_limit, self.max_image_pixels = max_tokens_limit, max_image_pixels
     self.batch_sizes = tuple(sorted(set(int(b) for b in batch_sizes)))
