@@ -18,6 +18,11 @@ before and after, a float32 matmul peak measured in the run, every sampler setti
   python -m benchmarks.text_vs_ar --prompts=projects/text/prompts/validation.jsonl --output=results/text_validation.json
   python -m benchmarks.text_vs_ar --prompts=P --output=O --workdir=W      # a training run instead
   python -m benchmarks.text_vs_ar --prompts=P --output=O --decoder=sampler   # block diffusion, left to right
+  python -m benchmarks.text_vs_ar --prompts=P --output=O --temperature=0.8 --batch_sizes=  # sampling, no timing
+
+--temperature (with --decoder=speculative): both sides sample at it, the speculative side distributed exactly
+as AR sampling, so their quality columns differ by chance alone. An empty --batch_sizes times nothing (and
+needs no quiet machine).
 
 JSON: weights, prompts, settings (max_new_tokens, max_prompt_tokens, batch sizes, repeats, decoder, sampler =
 every setting, ar = the AR decoder's), machine (`measure.provenance`, matmul_peak_gflops, load_average_after,
@@ -62,6 +67,8 @@ _DECODER = flags.DEFINE_enum("decoder", "speculative", ["speculative", "sampler"
                               "or the block-diffusion sampler.")
 _DRAFT = flags.DEFINE_integer("draft_length", 0, "--decoder=speculative: positions drafted per pass (0: the "
                               "canvas).")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "--decoder=speculative: both decoders sample at this "
+                                  "temperature (0: greedy).")
 _SAMPLER = flags.DEFINE_multi_string("sampler", [], "config.sampler overrides, key=value (e.g. "
                                      "confidence_accept=0.8).")
 
@@ -82,7 +89,7 @@ def _overrides(items) -> dict:
 def main(argv):
   del argv
   machine = measure.provenance(_ROOT)  # the load average before anything starts
-  warnings = timing.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value)
+  warnings = timing.loaded_machine(machine, _MAX_LOAD.value, _ALLOW_LOAD.value) if _BATCH_SIZES.value else []
   run = runs.load(_WORKDIR.value, _WEIGHTS.value)
   prompts = runs.read_prompts(_PROMPTS.value, run.tokenizer, _MAX_PROMPT.value, _NUM_PROMPTS.value or None)
   sampler, ar = run.sampler(**_overrides(_SAMPLER.value)), run.ar_sampler()
@@ -94,7 +101,11 @@ def main(argv):
                          "does not use it.")
   if _DRAFT.value and not speculative:
     raise app.UsageError(f"--draft_length={_DRAFT.value} is for --decoder=speculative.")
-  spec = run.speculative_sampler(draft_length=_DRAFT.value or None) if speculative else None
+  temperature = _TEMPERATURE.value
+  if temperature and not speculative:
+    raise app.UsageError(f"--temperature={temperature} is for --decoder=speculative (the block-diffusion sampler's "
+                         "temperatures are config.sampler's).")
+  spec = run.speculative_sampler(_DRAFT.value or None, temperature) if speculative else None
 
   def decode(prompts_, batch_size):
     if speculative:
@@ -102,16 +113,18 @@ def main(argv):
     return runs.diffusion(sampler, run.variables, prompts_, new, batch_size)
 
   cont_d, passes = decode(prompts, _QUALITY_BATCH.value)
-  cont_a = runs.autoregressive(ar, run.variables, prompts, new, _QUALITY_BATCH.value)
+  cont_a = runs.autoregressive(ar, run.variables, prompts, new, _QUALITY_BATCH.value, temperature)
   result = {"weights": run.source, "prompts": _PROMPTS.value, "num_prompts": len(prompts),
             "settings": {"max_new_tokens": new, "max_prompt_tokens": _MAX_PROMPT.value,
                          "batch_sizes": [int(b) for b in _BATCH_SIZES.value], "repeats": _REPEATS.value,
                          "timing_prompts": _TIMING_PROMPTS.value, "quality_batch_size": _QUALITY_BATCH.value,
                          "decoder": _DECODER.value,
                          "sampler": ({"mask_id": spec.mask_id, "stop_tokens": list(spec.stop_tokens),
-                                      "draft_length": spec.block_length}
+                                      "draft_length": spec.block_length, "temperature": spec.temperature,
+                                      "top_p": spec.top_p}
                                      if speculative else sampler.settings()),
-                         "ar": {"decoding": "greedy", "kv_cache": True, "stop_tokens": list(ar.stop_tokens),
+                         "ar": {"decoding": f"sampling at temperature {temperature}" if temperature else "greedy",
+                                "kv_cache": True, "stop_tokens": list(ar.stop_tokens),
                                 "prompt_bucket": ar.prompt_bucket}},
             "diffusion": {"tokens_per_pass": sum(map(len, cont_d)) / max(int(passes.sum()), 1),
                           "passes": int(passes.sum()), **runs.quality(run, prompts, cont_d)},
@@ -131,7 +144,7 @@ def main(argv):
       outputs["diffusion"] = decode(timed, b)[0]
 
     def decode_ar(b=b):
-      outputs["ar"] = runs.autoregressive(ar, run.variables, timed, new, b)
+      outputs["ar"] = runs.autoregressive(ar, run.variables, timed, new, b, temperature)
 
     t_d, t_a = measure.alternate(decode_diffusion, decode_ar, _REPEATS.value)
     for name, t in (("diffusion", t_d), ("ar", t_a)):
@@ -154,7 +167,7 @@ def main(argv):
   print(f"{run.source}; {len(prompts)} prompts of {_PROMPTS.value}")
   print(f"diffusion: {d['tokens_per_pass']:.2f} tokens/pass, judged perplexity {d['judged_perplexity']:.3f}, "
         f"distinct 4-grams {d['distinct_4gram']:.3f}")
-  print(f"AR greedy: judged perplexity {a['judged_perplexity']:.3f}, distinct 4-grams {a['distinct_4gram']:.3f}")
+  print(f"AR {result['settings']['ar']['decoding']}: judged perplexity {a['judged_perplexity']:.3f}, distinct 4-grams {a['distinct_4gram']:.3f}")
   for b in _BATCH_SIZES.value:
     print(f"batch {b}: diffusion {d['tokens_per_second'][b]:.0f} tok/s, AR {a['tokens_per_second'][b]:.0f} tok/s, "
           f"{result['speedup'][b]:.2f}x")

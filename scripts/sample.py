@@ -27,6 +27,10 @@ the positions to fill; the rest of the text is held as given in every step (`con
 and positions after it are free. --regex / --json_schema=FILE: every output matches the regex, or is JSON
 valid under the schema (`sampling.constrained`); they combine with --infill. Without --prompt, the prompt
 is bos alone.
+
+--decoder=speculative (a masked-noise model): self-speculative decoding, the encoder's own AR text drafted by
+the denoiser `--draft_length` positions a pass: greedy, or at --temperature (with --top_p) distributed exactly as
+AR sampling (`sampling.speculative`); it prints the tokens per denoiser pass.
 """
 
 import pathlib
@@ -42,6 +46,7 @@ from diffusiongemma import build
 from diffusiongemma.data import images as images_lib
 from diffusiongemma.diffusion import constraints as cons
 from diffusiongemma.sampling import constrained
+from diffusiongemma.sampling import speculative
 from diffusiongemma.sampling import stats
 
 _CONFIG = build.cli.define_config("config", None, "A config file (configs/*.py).", lock_config=True)
@@ -67,6 +72,12 @@ _IMAGE_BUDGET = flags.DEFINE_integer("image_budget", 280, "Soft tokens per image
 _INFILL = flags.DEFINE_string("infill", None, "Output text with [MASK] / [MASK:n] markers to fill.")
 _REGEX = flags.DEFINE_string("regex", None, "Every output must match this regex (in full).")
 _JSON_SCHEMA = flags.DEFINE_string("json_schema", None, "A JSON schema file every output is valid under.")
+_DECODER = flags.DEFINE_enum("decoder", "diffusion", ["diffusion", "speculative"], "diffusion: the block-diffusion "
+                             "sampler (config.sampler); speculative: the encoder's AR text, drafted by the denoiser.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "--decoder=speculative: 0 is greedy; above, sampling at this "
+                                  "temperature (as AR sampling, exactly).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "--decoder=speculative with a temperature: the nucleus.")
+_DRAFT = flags.DEFINE_integer("draft_length", 0, "--decoder=speculative: positions drafted a pass (0: the canvas).")
 
 
 def _prompts(prompt, prompt_file) -> list[str]:
@@ -146,6 +157,36 @@ def _infill(sampler, tokenizer, max_new: int):
   return canvas.tokens, canvas.given
 
 
+def _speculative(weights, tokenizer, sampler, max_new: int) -> None:
+  """--decoder=speculative: the texts, and the tokens per denoiser pass of each batch."""
+  others = [f"--{flag.name}" for flag in (_INFILL, _REGEX, _JSON_SCHEMA) if flag.value is not None]
+  others += [f"--{flag.name}" for flag in (_IMAGE, _SHOW_STEPS, _AR) if flag.value]
+  if others:
+    raise app.UsageError(f"--decoder=speculative decodes text prompts alone; {', '.join(others)} is for "
+                         "--decoder=diffusion.")
+  try:
+    spec = speculative.SelfSpeculativeSampler.of(sampler, draft_length=_DRAFT.value or None,
+                                                 temperature=_TEMPERATURE.value, top_p=_TOP_P.value)
+  except ValueError as e:
+    raise app.UsageError(f"--decoder=speculative: {e}") from None
+  print(f"speculative: draft_length {spec.block_length}, temperature {spec.temperature}, top_p {spec.top_p}")
+  texts = _prompts(_PROMPT.value, _PROMPT_FILE.value)
+  size = _BATCH.value or len(texts)
+  for b, start in enumerate(range(0, len(texts), size)):
+    batch = texts[start:start + size]
+    prompts = [[tokenizer.bos_id] + tokenizer.encode(t) for t in batch]
+    timing = measure.time_call(spec.generate, weights.variables, prompts, max_new,
+                               rng=jax.random.key(_SEED.value + b))
+    out, count = timing.output, 0
+    for i, text in enumerate(batch):
+      ids = stats.new_tokens(out.tokens[i], spec.stop_tokens, weights.model_config.pad_id)
+      count += len(ids)
+      print(f"--- [{i}] {text!r}\n{tokenizer.decode([t for t in ids if t not in spec.stop_tokens])}")
+    passes = int(np.asarray(out.num_denoiser_passes).sum())
+    print(f"speculative: {count} tokens in {passes} denoiser passes ({count / passes:.2f} tokens per pass, as "
+          f"many encoder passes), {count / timing.median:.1f} tokens/s; compile {timing.compile_seconds:.2f} s")
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -153,6 +194,9 @@ def main(argv):
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
   cfg = weights.model_config
+  if _DECODER.value == "speculative":
+    print(f"weights: {weights.source}")
+    return _speculative(weights, tokenizer, sampler, max_new)
   print(f"weights: {weights.source}; sampler: {stats.describe(sampler.settings())}")
   constraint = _constraint(sampler, tokenizer)
   infill, given = _infill(sampler, tokenizer, max_new)

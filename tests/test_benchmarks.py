@@ -120,7 +120,7 @@ def test_accelerator_smoke_run_measures_every_section(tmp_path):
   text = sections["text"]
   assert {r["decoder"] for r in text["runs"]} == {"speculative", "diffusion", "ar"}
   assert all(r["tokens_per_second"] > 0 and r["tokens_per_model_call"] > 0 for r in text["runs"])
-  assert text["speculative_at_temperature"].startswith("not available")
+  assert text["speculative_at_temperature"].startswith("not measured")
   train = sections["train"]
   assert train["seconds_per_step"] > 0 and train["tokens_per_second"] > 0 and train["mfu_of_measured_peak"] > 0
   assert train["mfu"] == train["mfu_of_measured_peak"] and train["mfu_peak"] == "measured"  # a CPU has no datasheet

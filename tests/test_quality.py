@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -228,6 +229,12 @@ def test_sample_script_samples_with_the_trained_noise(corpus, workdirs):  # noqa
                              "--max_new_tokens=8", "--config.sampler.max_denoising_steps=4"))
   assert "noise masked" in result.stdout and f"never_token {VOCAB}" in result.stdout
   assert "step 4" in result.stdout
+  result = _run(_with_script(_masked_args(corpus, diffusion_dir, 4), "scripts/sample.py", "--prompt=def f(",
+                             "--prompt=x = ", "--max_new_tokens=8", "--decoder=speculative", "--temperature=0.8",
+                             "--draft_length=4"))  # self-speculative sampling at a temperature
+  assert "speculative: draft_length 4, temperature 0.8, top_p 1.0" in result.stdout
+  assert result.stdout.count("--- [") == 2 and re.search(r"speculative: \d+ tokens in \d+ denoiser passes",
+                                                         result.stdout), result.stdout
 
 
 def test_precision_compares_bfloat16_with_float32_on_a_text_run(workdirs, tmp_path):

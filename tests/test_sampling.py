@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 import diffusiongemma as dg
 from diffusiongemma import diffusion
@@ -677,6 +678,57 @@ def test_self_speculative_decoding_writes_ar_greedy(model, params, ar_sampler, d
   with pytest.raises(ValueError, match=r"5 prompt tokens \(cached included\) \+ 64 new positions exceed the "
                                        "model's max_positions=64"):
     spec.generate(params, prompts, 56)
+
+
+def _chi_square_p(counts, probs) -> float:
+  """The chi-square test's p-value of observed `counts` against `probs` (cells expected < 5 times merged)."""
+  probs = np.ravel(probs) / np.sum(probs)  # float32 sums, to float64 rounding
+  counts, expected = np.ravel(counts), probs * np.sum(counts)
+  small = expected < 5
+  assert counts[expected == 0].sum() == 0, "a token of probability 0 was drawn"
+  counts = np.append(counts[~small], counts[small].sum())
+  expected = np.append(expected[~small], expected[small].sum())
+  return float(scipy_stats.chisquare(counts[expected > 0], expected[expected > 0]).pvalue)
+
+
+def test_self_speculative_sampling_is_distributed_as_ar_sampling(model, params, sampler):
+  """At a temperature (with a nucleus), speculative sampling's first three new tokens over 20000 seeded rows
+  follow the encoder's exact AR distribution (enumerated: every 1- and 2-token continuation encoded): token 1,
+  the pair (1, 2) and token 3 pass a chi-square test; the denoiser's drafts are rejected often enough that the
+  acceptance ratio and the residual both shape them. Rows are independent of their batch."""
+  temperature, top_p, n, prompt = 1.0, 0.95, 20000, np.array([3, 14, 15, 9, 26], np.int32)
+  spec = speculative.SelfSpeculativeSampler(model, mask_id=TINY.vocab_size - 1, stop_tokens=(), draft_length=4,
+                                            prompt_bucket=8, temperature=temperature, top_p=top_p)
+  out = spec.generate(params, np.tile(prompt, (n, 1)), 3, rng=jax.random.key(7))
+  tokens = np.asarray(out.tokens)
+  encode = jax.jit(lambda t: autoregressive.nucleus_log_probs(
+      model.apply({"params": params}, t, method=model.encode)[0][:, -1], temperature, top_p))
+  v = TINY.vocab_size
+  p1 = np.exp(encode(prompt[None]))[0].astype(np.float64)
+  pairs = np.stack(np.meshgrid(np.arange(v), np.arange(v), indexing="ij"), -1).reshape(-1, 2)
+  p2 = np.exp(encode(np.concatenate([np.tile(prompt, (v, 1)), np.arange(v)[:, None]], 1))).astype(np.float64)
+  p3 = np.exp(encode(np.concatenate([np.tile(prompt, (v * v, 1)), pairs], 1))).astype(np.float64)
+  joint = p1[:, None] * p2  # [x1, x2]
+  third = (joint.reshape(-1, 1) * p3).sum(0)
+  count = lambda index, size: np.bincount(index, minlength=size)
+  for name, counts, probs in [("token 1", count(tokens[:, 0], v), p1),
+                              ("tokens 1-2", count(tokens[:, 0] * v + tokens[:, 1], v * v), joint),
+                              ("token 3", count(tokens[:, 2], v), third)]:
+    assert _chi_square_p(counts, probs) > 1e-3, name
+  passes = np.asarray(out.num_denoiser_passes)
+  assert 1.2 < passes.mean() < 2.5, passes.mean()  # 3 tokens: some drafts accepted, some rejected
+  keys = jax.random.split(jax.random.key(1), 3)
+  both = spec.generate(params, np.tile(prompt, (3, 1)), 8, rng=keys)
+  alone = spec.generate(params, prompt[None], 8, rng=keys[1:2])
+  np.testing.assert_array_equal(both.tokens[1:2], alone.tokens)
+  with pytest.raises(ValueError, match=r"temperature=1.0\) samples: generate needs rng="):
+    spec.generate(params, prompt[None], 3)
+  with pytest.raises(ValueError, match=r"temperature=-1 is invalid; expected a finite number >= 0"):
+    speculative.SelfSpeculativeSampler(model, mask_id=0, temperature=-1)
+  with pytest.raises(ValueError, match=r"top_p=0 is invalid; expected a number in \(0, 1\]"):
+    speculative.SelfSpeculativeSampler(model, mask_id=0, temperature=1.0, top_p=0)
+  with pytest.raises(ValueError, match="drafts with a masked-noise denoiser; this model samples with 'uniform'"):
+    speculative.SelfSpeculativeSampler.of(sampler)
 
 
 def test_autoregressive_greedy_is_the_encoders_argmax(model, params, ar_sampler):

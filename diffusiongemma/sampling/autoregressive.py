@@ -40,15 +40,30 @@ class _DecodeLoop:
   passes: Array  # [B] int32
 
 
+def _nucleus(scaled: Array, top_p) -> Array:
+  """[V] bool: the smallest set of tokens, most likely first, whose probability reaches `top_p` (at least
+  one; every token when top_p >= 1)."""
+  order = jnp.argsort(-scaled, stable=True)
+  probs = jax.nn.softmax(scaled)[order]
+  keep_sorted = jnp.cumsum(probs) - probs < top_p
+  return jnp.zeros_like(keep_sorted).at[order].set(keep_sorted) | (top_p >= 1)
+
+
+def nucleus_log_probs(logits: Array, temperature, top_p) -> Array:
+  """[..., V] float32: the log-probabilities `sample_token` draws from at temperature > 0 (softmax of
+  logits / temperature over the nucleus of `top_p`, renormalised; -inf outside it)."""
+  scaled = logits.astype(jnp.float32) / temperature
+  if isinstance(top_p, (int, float)) and top_p >= 1:  # known here: no sort
+    return jax.nn.log_softmax(scaled, axis=-1)
+  keep = jnp.vectorize(_nucleus, signature="(v),()->(v)")(scaled, top_p)
+  return jax.nn.log_softmax(jnp.where(keep, scaled, -jnp.inf), axis=-1)
+
+
 def sample_token(key: Array, logits: Array, temperature: Array, top_p: Array) -> Array:
   """One token from logits [V]: argmax when temperature == 0, else nucleus sampling at `temperature`."""
   def sample(logits):
     scaled = logits.astype(jnp.float32) / temperature
-    order = jnp.argsort(-scaled, stable=True)
-    probs = jax.nn.softmax(scaled)[order]
-    keep_sorted = jnp.cumsum(probs) - probs < top_p  # the smallest prefix reaching top_p (at least one)
-    keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
-    return jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf)).astype(jnp.int32)
+    return jax.random.categorical(key, jnp.where(_nucleus(scaled, top_p), scaled, -jnp.inf)).astype(jnp.int32)
 
   greedy = lambda logits: jnp.argmax(logits).astype(jnp.int32)
   return jax.lax.cond(temperature > 0, sample, greedy, logits)  # greedy decoding sorts nothing

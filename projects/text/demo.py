@@ -1,6 +1,7 @@
 r"""The shipped text model writing Python: one held-out prompt's continuation drawn pass by pass as its
 denoiser drafts blocks and its AR mode checks them (self-speculative decoding: AR greedy's exact text),
-then tokens per pass, judged perplexity and tokens/s of each decoder of the same weights at batch 1.
+then tokens per pass, judged perplexity and tokens/s of each decoder of the same weights at batch 1, and
+self-speculative sampling at --temperature (distributed exactly as AR sampling) beside AR sampling.
 
   python -m projects.text.demo [--prompts=projects/text/prompts/validation.jsonl] [--num_prompts=16]
 
@@ -27,6 +28,7 @@ _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 16, "Prompts for the table (t
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "New tokens per prompt.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A training workdir instead of the shipped weights.")
 _SHOW = flags.DEFINE_bool("show", True, "Draw the first prompt's canvases pass by pass.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "The sampling rows' temperature (0: leave them out).")
 
 REMAKE = """python scripts/train.py --config=projects/text/config.py --workdir=workdir/text_pretrain
 python -m projects.text.teacher --workdir=workdir/text_pretrain --output=workdir/text_teacher
@@ -80,6 +82,12 @@ def main(argv):
       "self-speculative, 4-token drafts": lambda ps: runs.speculative(spec4, run.variables, ps, new, 1),
       "block diffusion, left to right": lambda ps: runs.diffusion(sampler, run.variables, ps, new, 1),
       "AR greedy": lambda ps: (runs.autoregressive(ar, run.variables, ps, new, 1), None)}
+  if temperature := _TEMPERATURE.value:
+    spec_t = run.speculative_sampler(temperature=temperature)
+    decoders[f"self-speculative, temperature {temperature}"] = lambda ps: runs.speculative(
+        spec_t, run.variables, ps, new, 1)
+    decoders[f"AR sampling, temperature {temperature}"] = lambda ps: (
+        runs.autoregressive(ar, run.variables, ps, new, 1, temperature=temperature), None)
   for name, decode in decoders.items():
     decode(prompts[:1])  # compile
     start = time.perf_counter()

@@ -56,13 +56,12 @@ class TextModel:
     return dg.ARSampler(sampler.model, stop_tokens=sampler.stop_tokens,
                         prompt_bucket=sampler.config.prompt_bucket)
 
-  def speculative_sampler(self, draft_length: int | None = None) -> speculative_lib.SelfSpeculativeSampler:
-    """Self-speculative decoding of the same weights (AR greedy's text; the denoiser drafts `draft_length`
-    positions a pass, default its canvas)."""
-    sampler = self.sampler()
-    return speculative_lib.SelfSpeculativeSampler(sampler.model, build.noise(self.config).mask_token_id,
-                                                  stop_tokens=sampler.stop_tokens, draft_length=draft_length,
-                                                  prompt_bucket=sampler.config.prompt_bucket)
+  def speculative_sampler(self, draft_length: int | None = None, temperature: float = 0.0
+                          ) -> speculative_lib.SelfSpeculativeSampler:
+    """Self-speculative decoding of the same weights (AR greedy's text, or AR sampling's distribution at
+    `temperature`; the denoiser drafts `draft_length` positions a pass, default its canvas)."""
+    return speculative_lib.SelfSpeculativeSampler.of(self.sampler(), draft_length=draft_length,
+                                                     temperature=temperature)
 
   def judge(self) -> generative.Judge:
     return generative.Judge("self", self.model, self.variables)
@@ -132,26 +131,28 @@ def denoised_positions(sampler: dg.Sampler, variables, prompts, max_new_tokens: 
                          for result, real in _generated(sampler, variables, prompts, max_new_tokens, batch_size, seed)])
 
 
-def speculative(sampler, variables, prompts, max_new_tokens: int, batch_size: int
+def speculative(sampler, variables, prompts, max_new_tokens: int, batch_size: int, seed: int = 0
                 ) -> tuple[list[list[int]], np.ndarray]:
-  """`diffusion`'s output for `sampling.speculative.SelfSpeculativeSampler` (AR greedy's text, drafted by the
-  denoiser)."""
+  """`diffusion`'s output for `sampling.speculative.SelfSpeculativeSampler` (the encoder's AR text, drafted
+  by the denoiser; at a temperature, batch i uses key fold_in(key(seed), i))."""
   out, passes = [], []
-  for tokens, lengths, real in _batches(prompts, batch_size):
-    result = sampler.generate(variables, tokens, max_new_tokens, prompt_lengths=lengths)
+  for i, (tokens, lengths, real) in enumerate(_batches(prompts, batch_size)):
+    result = sampler.generate(variables, tokens, max_new_tokens, prompt_lengths=lengths,
+                              rng=jax.random.fold_in(jax.random.key(seed), i))
     out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id)
             for row in np.asarray(result.tokens)[:real]]
     passes.append(np.asarray(result.num_denoiser_passes)[:real])
   return out, np.concatenate(passes)
 
 
-def autoregressive(sampler: dg.ARSampler, variables, prompts, max_new_tokens: int, batch_size: int
-                   ) -> list[list[int]]:
-  """Each prompt's greedy continuation up to and including its stop token."""
+def autoregressive(sampler: dg.ARSampler, variables, prompts, max_new_tokens: int, batch_size: int,
+                   temperature: float = 0.0, seed: int = 0) -> list[list[int]]:
+  """Each prompt's continuation up to and including its stop token: greedy, or sampled at `temperature`
+  (batch i with key fold_in(key(seed), i))."""
   out = []
-  for tokens, lengths, real in _batches(prompts, batch_size):
-    result = sampler.generate(variables, tokens, jax.random.key(0), max_new_tokens, prompt_lengths=lengths,
-                              temperature=0.0)
+  for i, (tokens, lengths, real) in enumerate(_batches(prompts, batch_size)):
+    result = sampler.generate(variables, tokens, jax.random.fold_in(jax.random.key(seed), i), max_new_tokens,
+                              prompt_lengths=lengths, temperature=temperature)
     out += [stats_lib.new_tokens(row, sampler.stop_tokens, sampler.model.config.pad_id)
             for row in np.asarray(result.tokens)[:real]]
   return out
