@@ -167,7 +167,8 @@ def main(argv):
   print(f"{run.source}; {len(prompts)} prompts of {_PROMPTS.value}")
   print(f"diffusion: {d['tokens_per_pass']:.2f} tokens/pass, judged perplexity {d['judged_perplexity']:.3f}, "
         f"distinct 4-grams {d['distinct_4gram']:.3f}")
-  print(f"AR {result['settings']['ar']['decoding']}: judged perplexity {a['judged_perplexity']:.3f}, distinct 4-grams {a['distinct_4gram']:.3f}")
+  print(f"AR {result['settings']['ar']['decoding']}: judged perplexity {a['judged_perplexity']:.3f}, "
+        f"distinct 4-grams {a['distinct_4gram']:.3f}")
   for b in _BATCH_SIZES.value:
     print(f"batch {b}: diffusion {d['tokens_per_second'][b]:.0f} tok/s, AR {a['tokens_per_second'][b]:.0f} tok/s, "
           f"{result['speedup'][b]:.2f}x")

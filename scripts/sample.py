@@ -190,6 +190,12 @@ def _speculative(weights, tokenizer, sampler, max_new: int) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  if _DECODER.value != "speculative":
+    given = [f"--{flag.name}={flag.value}" for flag, default in ((_TEMPERATURE, 0.0), (_TOP_P, 1.0), (_DRAFT, 0))
+             if flag.value != default]
+    if given:
+      raise app.UsageError(f"{', '.join(given)} is for --decoder=speculative (the block-diffusion sampler's "
+                           "settings are config.sampler's).")
   dg.parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()

@@ -52,7 +52,8 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "With --hf_checkpoint: weight 
 _QUANTIZE = flags.DEFINE_enum("quantize", "none", ["none", "int8"], "With --hf_checkpoint: int8 attention, MLP "
                                "and expert weights, quantised as they are read (docs/quantization.md).")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 0, "Default reply length, and the longest reply of the compiled "
-                                   "grid; 0: the checkpoint's, else 256, in whole canvases, halved while the model's context cannot hold it.")
+                                   "grid; 0: the checkpoint's, else 256, in whole canvases, halved while the "
+                                   "model's context cannot hold it.")
 _MAX_TOKENS_LIMIT = flags.DEFINE_integer("max_tokens_limit", 4096, "The most tokens a request may ask for "
                                          "(beyond --max_tokens, programs compile on demand).")
 _MAX_PROMPT_TOKENS = flags.DEFINE_integer("max_prompt_tokens", 0, "The longest prompt served, and the longest "
@@ -130,7 +131,8 @@ def main(argv):
   parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   sampler, variables, tokenizer, max_new, empty_thought, name = _model()
   engine = serving.Engine(sampler, variables, tokenizer, model_name=_MODEL_NAME.value or name,
-                          max_tokens=_MAX_TOKENS.value or None, default_max_tokens=max_new or serving.DEFAULT_MAX_TOKENS,
+                          max_tokens=_MAX_TOKENS.value or None,
+                          default_max_tokens=max_new or serving.DEFAULT_MAX_TOKENS,
                           max_tokens_limit=_MAX_TOKENS_LIMIT.value,
                           max_prompt_tokens=_MAX_PROMPT_TOKENS.value or None, empty_thought=empty_thought,
                           batch_sizes=[int(b) for b in _BATCH_SIZES.value], max_image_pixels=_MAX_IMAGE_PIXELS.value)
