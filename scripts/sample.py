@@ -159,11 +159,6 @@ def _infill(sampler, tokenizer, max_new: int):
 
 def _speculative(weights, tokenizer, sampler, max_new: int) -> None:
   """--decoder=speculative: the texts, and the tokens per denoiser pass of each batch."""
-  others = [f"--{flag.name}" for flag in (_INFILL, _REGEX, _JSON_SCHEMA) if flag.value is not None]
-  others += [f"--{flag.name}" for flag in (_IMAGE, _SHOW_STEPS, _AR) if flag.value]
-  if others:
-    raise app.UsageError(f"--decoder=speculative decodes text prompts alone; {', '.join(others)} is for "
-                         "--decoder=diffusion.")
   try:
     spec = speculative.SelfSpeculativeSampler.of(sampler, draft_length=_DRAFT.value or None,
                                                  temperature=_TEMPERATURE.value, top_p=_TOP_P.value)
@@ -196,6 +191,12 @@ def main(argv):
     if given:
       raise app.UsageError(f"{', '.join(given)} is for --decoder=speculative (the block-diffusion sampler's "
                            "settings are config.sampler's).")
+  else:  # checked before anything loads
+    others = [f"--{flag.name}" for flag in (_INFILL, _REGEX, _JSON_SCHEMA) if flag.value is not None]
+    others += [f"--{flag.name}" for flag in (_IMAGE, _SHOW_STEPS, _AR) if flag.value]
+    if others:
+      raise app.UsageError(f"--decoder=speculative decodes text prompts alone; {', '.join(others)} is for "
+                           "--decoder=diffusion.")
   dg.parallel.enable_compilation_cache(_COMPILATION_CACHE.value)
   dg.training.quiet_orbax_logs()
   weights, tokenizer, sampler, ar_sampler, max_new = _load()
