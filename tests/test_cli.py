@@ -68,6 +68,8 @@ def test_a_usage_error_a_bad_override_and_a_foreign_tokenizer_are_one_line_witho
   for script, args, expected in (
       ("sample.py", ["--prompt=x"], "error: Pass --hf_checkpoint=DIR"),
       ("sample.py", ["--prompt=x", "--temperature=0.8"], "error: --temperature=0.8 is for --decoder=speculative"),
+      ("sample.py", ["--prompt=x", "--decoder=speculative", "--show_steps"],
+       "error: --decoder=speculative decodes text prompts alone; --show_steps is for --decoder=diffusion"),
       ("sample.py", ["--config=configs/tiny.py", "--config.model.num_layer=2"],
        "FATAL Flags parsing error: --config.model.num_layer: configs/tiny.py has no such field"),
       ("serve.py", [f"--workdir={SHIPPED_TEXT}", f"--tokenizer={tmp_path}"],
